@@ -1,0 +1,72 @@
+"""Engine settings: the `engine:` and `device:` sections of a profile.
+
+They travel to the `engine` Triton model as string config parameters
+(`to_parameters`/`from_parameters`), and to the offline `LLM` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+BATCHING_STRATEGIES = ("inflight", "static")
+DEVICE_KINDS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling, KV-cache and device settings of one engine."""
+
+    max_batch_size: int = 64  # most requests running at once
+    max_num_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_input_length: int = 2048  # longest prompt accepted
+    max_output_len: int = 1024  # largest max_tokens accepted
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_bytes: int = 256 * 1024 * 1024  # CPU: KV-cache budget in bytes
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + KV cache
+    enable_kv_cache_reuse: bool = True  # prefix caching
+    batching_strategy: str = "inflight"  # inflight | static
+    stream_interval: int = 1  # a streamed response every N new tokens
+    priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
+    max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
+    default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
+    device: str = "cpu"  # cpu | gpu
+    gpu_ids: tuple[int, ...] = field(default_factory=tuple)
+    tensor_parallel_size: int = 1
+    num_kv_blocks: int = 0  # 0: derive from the memory budget; > 0: exactly this many (tests)
+
+    def to_parameters(self) -> dict[str, str]:
+        params = {}
+        for key, value in asdict(self).items():
+            if isinstance(value, bool):
+                params[key] = "true" if value else "false"
+            elif isinstance(value, (tuple, list)):
+                params[key] = ",".join(str(v) for v in value)
+            else:
+                params[key] = str(value)
+        return params
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> EngineConfig:
+        """Build from Triton string parameters; unknown keys are ignored (they belong to
+        the model source or to Triton), malformed values raise ValueError naming the key."""
+        values: dict = {}
+        for field_ in fields(cls):
+            if field_.name not in params:
+                continue
+            raw = params[field_.name].strip()
+            try:
+                if field_.type == "bool":
+                    if raw.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError("expected true or false")
+                    values[field_.name] = raw.lower() in ("true", "1")
+                elif field_.type == "int":
+                    values[field_.name] = int(raw)
+                elif field_.type == "float":
+                    values[field_.name] = float(raw)
+                elif field_.name == "gpu_ids":
+                    values[field_.name] = tuple(int(v) for v in raw.split(",") if v.strip())
+                else:
+                    values[field_.name] = raw
+            except ValueError as error:
+                raise ValueError(f"engine parameter {field_.name!r}: bad value {raw!r} ({error})") from None
+        return cls(**values)
