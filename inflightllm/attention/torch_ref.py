@@ -1,0 +1,107 @@
+"""Pure-torch paged attention: the exact CPU reference.
+
+The cache of each layer is a flat tensor of slots, [num_blocks * block_size,
+num_kv_heads, head_dim] (a view of [num_blocks, block_size, ...]); a token's slot is
+`block_table[position // block_size] * block_size + position % block_size`.
+
+Attention runs per sequence over the K/V gathered from its blocks, with
+`scaled_dot_product_attention` called the way `transformers` calls it for a single
+unpadded sequence (causal for a whole prompt, no mask for one query), so greedy outputs
+match `transformers` on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inflightllm.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+
+
+class TorchReferenceAttention(AttentionBackend):
+    """Paged KV cache in torch tensors; attention with torch SDPA, one sequence at a time."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self.block_size = 0
+        self.num_blocks = 0
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def kv_cache_views(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as [num_blocks, block_size, num_kv_heads, head_dim]."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.key_cache[layer_index].view(shape), self.value_cache[layer_index].view(shape)
+
+    def _slots(self, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end, dtype=torch.int64)
+        return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def build_metadata(self, sequences: list[SequenceSlice], device) -> AttentionMetadata:
+        slot_chunks, position_chunks, gathers, masks = [], [], [], []
+        for seq in sequences:
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            first = seq.context_len - seq.query_len
+            slot_chunks.append(self._slots(table, first, seq.context_len))
+            position_chunks.append(torch.arange(first, seq.context_len, dtype=torch.int64))
+            gathers.append(self._slots(table, 0, seq.context_len).to(device))
+            masks.append(self._mask(seq))
+        empty = torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(
+            sequences=sequences,
+            slot_mapping=torch.cat(slot_chunks).to(device) if slot_chunks else empty,
+            positions=torch.cat(position_chunks).to(device) if position_chunks else empty,
+            backend_data={"gathers": gathers, "masks": masks},
+        )
+
+    def _mask(self, seq: SequenceSlice) -> torch.Tensor | None | str:
+        """None: attend to everything (one query, no window); "causal": a whole prompt;
+        else a boolean [query_len, context_len] mask (True = attend)."""
+        first = seq.context_len - seq.query_len
+        window = self.sliding_window
+        if window is None or seq.context_len <= window:
+            if seq.query_len == 1:
+                return None
+            if first == 0:
+                return "causal"
+        query_pos = torch.arange(first, seq.context_len).unsqueeze(1)  # [q, 1]
+        key_pos = torch.arange(seq.context_len).unsqueeze(0)  # [1, ctx]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        return mask
+
+    def forward(self, layer_index, query, key, value, metadata: AttentionMetadata) -> torch.Tensor:
+        key_cache = self.key_cache[layer_index]
+        value_cache = self.value_cache[layer_index]
+        key_cache.index_copy_(0, metadata.slot_mapping, key)
+        value_cache.index_copy_(0, metadata.slot_mapping, value)
+
+        output = torch.empty_like(query)
+        gathers = metadata.backend_data["gathers"]
+        masks = metadata.backend_data["masks"]
+        for seq, gather, mask in zip(metadata.sequences, gathers, masks):
+            end = seq.query_start + seq.query_len
+            # [1, heads, q, head_dim] and [1, kv_heads, ctx, head_dim]
+            q = query[seq.query_start : end].transpose(0, 1).unsqueeze(0)
+            k = key_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            v = value_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            if mask is None:
+                attended = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
+            elif isinstance(mask, str):
+                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            output[seq.query_start : end] = attended.squeeze(0).transpose(0, 1)
+        return output

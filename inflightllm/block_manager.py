@@ -1,0 +1,200 @@
+"""Physical KV-cache blocks: free queue, reference counts and the prefix cache.
+
+The block manager knows blocks, not policy. Requests own their block tables; the
+manager hands out and takes back block ids, counts references, and remembers which
+full blocks hold which tokens so a later request with the same prefix can share them.
+
+Prefix caching: a full block is identified by a chained hash of its parent's hash and
+its own token ids. A hit is accepted only if the cached block's tokens are equal to the
+request's (hash collisions cannot corrupt outputs). Freed blocks keep their contents
+and hash and wait in the free queue; the queue's front is evicted first:
+- blocks without a hash (partial or never cached) go to the front, so they are reused
+  before any cached content is lost;
+- cached blocks go to the back, a request's blocks in reverse order, so the tail of a
+  sequence (least likely to be shared) is evicted before its prefix — an LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from inflightllm.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash (None for the first block)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to requests; optional prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        # Counters (prefix-cache hit rate = hit tokens / queried tokens).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- counts -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (including cached ones that may be evicted)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold reusable cached content."""
+        return sum(1 for block_id in self.free_queue if self.blocks[block_id].block_hash is not None)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Chained hashes of the request's first `num_full_blocks` full blocks (memoised
+        on the request: token ids of full blocks never change)."""
+        hashes = request.block_hashes
+        size = self.block_size
+        while len(hashes) < num_full_blocks:
+            index = len(hashes)
+            tokens = tuple(request.token_ids[index * size : (index + 1) * size])
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tokens))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks that hold a prefix of the request's tokens.
+
+        At least one token is always left to compute (its logits are needed), so a
+        fully cached token sequence gives up its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_full_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        size = self.block_size
+        for index, block_hash in enumerate(self._block_hashes(request, max_full_blocks)):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            tokens = tuple(request.token_ids[index * size : (index + 1) * size])
+            if self.blocks[block_id].token_ids != tokens:
+                break  # a hash collision: never share a block with other contents
+            hits.append(block_id)
+        return hits
+
+    def _evict_if_cached(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) == block.block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        hashes = self._block_hashes(request, num_full)
+        size = self.block_size
+        for index in range(num_full):
+            block = self.blocks[request.block_table[index]]
+            if block.block_hash is not None:
+                continue
+            existing = self.cached_blocks.get(hashes[index])
+            if existing is not None and existing != block.block_id:
+                continue  # the same content is cached in another block already
+            block.block_hash = hashes[index]
+            block.token_ids = tuple(request.token_ids[index * size : (index + 1) * size])
+            self.cached_blocks[block.block_hash] = block.block_id
+
+    # ---- allocation -----------------------------------------------------------------
+    def _num_new_blocks(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> int:
+        """Blocks to take from the free queue so the request can hold `num_new_tokens` more."""
+        if request.block_table:  # running: grows its own table
+            held = len(request.block_table)
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+        else:  # being admitted: starts from its cached prefix
+            held = len(computed_blocks)
+            num_tokens_after = held * self.block_size + num_new_tokens
+        return max(0, self.blocks_for_tokens(num_tokens_after) - held)
+
+    def can_allocate(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> bool:
+        """Whether `allocate` would succeed for a request being admitted."""
+        reclaimed = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
+        return self._num_new_blocks(request, computed_blocks, num_new_tokens) <= self.num_free_blocks - reclaimed
+
+    def allocate(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> None:
+        """Admit a request: share its cached prefix blocks and allocate room for
+        `num_new_tokens` more. Call `can_allocate` first."""
+        if request.block_table:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        if not self.can_allocate(request, computed_blocks, num_new_tokens):
+            raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        request.block_table = list(computed_blocks)
+        request.num_computed_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += request.num_computed_tokens
+        self._grow(request, num_new_tokens)
+
+    def can_append(self, request: Request, num_new_tokens: int) -> bool:
+        return self._num_new_blocks(request, [], num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens of a running request. Returns False,
+        allocating nothing, when there are not enough free blocks."""
+        if not self.can_append(request, num_new_tokens):
+            return False
+        self._grow(request, num_new_tokens)
+        return True
+
+    def _grow(self, request: Request, num_new_tokens: int) -> None:
+        needed = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        while len(request.block_table) < needed:
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict_if_cached(block)
+            block.ref_count = 1
+            request.block_table.append(block_id)
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; cached ones stay reusable until evicted."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        request.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached contents of free blocks."""
+        for block_id in self.free_queue:
+            self._evict_if_cached(self.blocks[block_id])

@@ -1,0 +1,118 @@
+"""Turning streamed token ids into text pieces that concatenate to the full decode.
+
+The contract (docs/INTERFACE.md, "The streaming text contract"): a piece is decoded
+from a few preceding tokens (`context_ids`, up to `CONTEXT_WINDOW` generated tokens)
+plus the piece's own tokens (`new_ids`). The text of the piece is
+
+    decode(context_ids + new_ids)  minus  decode(context_ids)
+
+where both decodes skip special tokens and keep spaces as they are
+(`clean_up_tokenization_spaces=False`). A token may end inside a multi-byte UTF-8
+character (byte-level BPE splits emoji and CJK into byte tokens); the tokenizer then
+decodes the incomplete bytes to U+FFFD. So a trailing run of U+FFFD is dropped:
+
+- from `decode(context_ids)` always: the earlier piece that ended there dropped it too
+  (it was not final), and the bytes are completed by `new_ids` or show up in this
+  piece's own decode;
+- from `decode(context_ids + new_ids)` unless the piece is final: the character is
+  completed by a later piece, which has these tokens in its context.
+
+A whole trailing run is dropped, not one U+FFFD: byte-fallback decoders (SentencePiece
+`<0xF0>` tokens) write one U+FFFD per byte of an incomplete character. A real U+FFFD
+(or bytes that never form a character) at the end of a non-final piece is only held
+back, and appears in the next piece, so the pieces still telescope.
+
+Because the decode is byte-local (the text of a token does not depend on the tokens
+around it, apart from where UTF-8 characters start and end), the pieces concatenate to
+exactly `decode(all_ids)` whatever way the ids are split into pieces, and any stateless
+`postprocessing` instance can decode any piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+REPLACEMENT_CHARACTER = "\ufffd"
+CONTEXT_WINDOW = 8  # generated tokens sent as context before each piece
+
+
+def decode_text(tokenizer, token_ids: Sequence[int]) -> str:
+    """Decode ids the way the streaming contract does: special tokens skipped, spaces kept."""
+    if len(token_ids) == 0:
+        return ""
+    return tokenizer.decode(
+        [int(token) for token in token_ids],
+        skip_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _drop_incomplete_tail(text: str) -> str:
+    """The text without its trailing run of U+FFFD (bytes of a character not complete yet)."""
+    return text.rstrip(REPLACEMENT_CHARACTER)
+
+
+def decode_piece(
+    tokenizer, context_ids: Sequence[int], new_ids: Sequence[int], final: bool
+) -> str:
+    """The text that `new_ids` add after `context_ids` (see the module docstring).
+
+    `final` is true for the last piece of a request: then an incomplete character at the
+    end is kept (as U+FFFD), exactly as a decode of the whole output shows it.
+
+    If the context's text is not a prefix of the combined text (no byte-level tokenizer
+    does this, but a decoder that rewrites text across token boundaries could), the
+    result is the combined text minus as many characters as the two texts share at the
+    start: the best stateless guess, which may repeat or lose a character.
+    """
+    full = decode_text(tokenizer, list(context_ids) + list(new_ids))
+    if not final:
+        full = _drop_incomplete_tail(full)
+    before = _drop_incomplete_tail(decode_text(tokenizer, context_ids))
+    if full.startswith(before):
+        return full[len(before):]
+    common = 0
+    for char_full, char_before in zip(full, before):
+        if char_full != char_before:
+            break
+        common += 1
+    return full[common:]
+
+
+class IncrementalDetokenizer:
+    """Stateful helper for one token stream (client CLI, engine-side tests).
+
+    It keeps every token added so far and decodes each new piece with the same rule
+    (and the same context window) as the stateless `postprocessing` model, so its
+    pieces equal what the server streams.
+
+        detok = IncrementalDetokenizer(tokenizer)
+        for ids in pieces:
+            print(detok.add(ids), end="")
+        print(detok.finish(), end="")
+    """
+
+    def __init__(self, tokenizer, context_window: int = CONTEXT_WINDOW) -> None:
+        self.tokenizer = tokenizer
+        self.context_window = context_window
+        self.token_ids: list[int] = []
+        self.text = ""  # concatenation of every piece returned so far
+        self.finished = False
+
+    def add(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """Append `new_ids` and return the text they add (held back while a character
+        is incomplete, unless `final`)."""
+        if self.finished:
+            raise RuntimeError("IncrementalDetokenizer: add() after the final piece")
+        start = max(0, len(self.token_ids) - self.context_window)
+        context_ids = self.token_ids[start:]
+        new_list = [int(token) for token in new_ids]
+        piece = decode_piece(self.tokenizer, context_ids, new_list, final)
+        self.token_ids.extend(new_list)
+        self.text += piece
+        self.finished = final
+        return piece
+
+    def finish(self) -> str:
+        """End the stream: the text still held back (an incomplete character as U+FFFD)."""
+        return self.add([], final=True)

@@ -1,0 +1,318 @@
+"""The engine: requests in, one step at a time, tokens out.
+
+`Engine.step()` asks the scheduler what to run, runs the model once over that packed
+batch, samples, appends tokens, checks stop conditions, frees finished requests' KV
+blocks in the same step, and returns the outputs due to be sent. It is single-threaded:
+the Triton adapter owns it from one loop thread and feeds it through a queue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from inflightllm.block_manager import BlockManager
+from inflightllm.config import EngineConfig
+from inflightllm.model_runner import ModelRunner
+from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
+from inflightllm.models.loader import LoadedModel, load_model
+from inflightllm.request import DETOKENIZE_CONTEXT, FinishReason, Request, RequestStatus
+from inflightllm.sampler import Sampler
+from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+from inflightllm.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """What one request has to report after a step (or an abort)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    context_ids: list[int]  # up to DETOKENIZE_CONTEXT generated tokens sent before these
+    new_logprobs: list[float]
+    new_top_ids: list[list[int]]
+    new_top_logprobs: list[list[float]]
+    cum_logprob: float
+    finished: bool
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    # Latencies in seconds, set on the final output.
+    time_to_first_token: float | None = None
+    time_per_output_token: float | None = None
+    e2e_latency: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges of the engine (exported as Triton metrics by the adapter)."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_tokens_last_step: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    tokens_last_step: int = 0
+    pending: list[RequestOutput] = field(default_factory=list)
+
+
+def num_kv_blocks(config: EngineConfig, dims: ModelDims, dtype: str) -> int:
+    """KV blocks that fit the profile's memory budget (or the explicit count)."""
+    if config.num_kv_blocks > 0:
+        return config.num_kv_blocks
+    if config.device != "cpu":
+        raise NotImplementedError("GPU KV-cache sizing arrives with the CUDA backend")
+    bytes_per_block = config.block_size * dims.kv_bytes_per_token(DTYPE_BYTES[dtype], config.tensor_parallel_size)
+    return config.kv_cache_bytes // bytes_per_block
+
+
+class Engine:
+    """Paged-KV, in-flight batching LLM engine over one model."""
+
+    def __init__(
+        self,
+        model_spec: ModelSpec,
+        config: EngineConfig,
+        sampler_seed: int | None = None,
+        loaded: LoadedModel | None = None,
+    ):
+        self.model_spec = model_spec
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(model_spec, device="cpu")
+        arch = self.loaded.arch
+        dims = ModelDims.from_config(self.loaded.config)
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = model_spec.max_model_len or arch.max_position_embeddings
+        blocks = num_kv_blocks(config, dims, model_spec.dtype)
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens"
+            )
+        self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.loaded, blocks, config.block_size, config.device)
+        self.sampler = Sampler(sampler_seed)
+        self.requests: dict[str, Request] = {}
+        self._counters = _Counters()
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        streaming: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and enqueue a request; raises InvalidRequestError naming the problem."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("input_ids: the prompt is empty; at least 1 token is required")
+        if len(prompt_token_ids) > self.config.max_input_length:
+            raise InvalidRequestError(
+                f"input_ids: the prompt has {len(prompt_token_ids)} tokens; allowed: up to "
+                f"{self.config.max_input_length} (max_input_length)"
+            )
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"input_ids: token id {bad} is out of range; allowed: 0 to {self.vocab_size - 1}"
+            )
+        params.validate(self.vocab_size, self.config.max_output_len)
+        if not 0 <= priority < self.config.priority_levels:
+            raise InvalidRequestError(
+                f"priority: {priority} is out of range; allowed: 0 to {self.config.priority_levels - 1}"
+            )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds the model context of {self.max_model_len} tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache of {capacity} tokens"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=self.loaded.eos_token_ids,
+            priority=priority,
+            streaming=streaming,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        self._counters.prompt_tokens += len(prompt_token_ids)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason cancelled) comes with the next
+        `step()`. Its KV blocks are freed now. Returns False if it is not in the engine."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, FinishReason.CANCELLED)
+        self._counters.pending.append(self._output(request))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._counters.pending)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._counters.pending = self._counters.pending, []
+        scheduled = self.scheduler.schedule()
+        self._counters.tokens_last_step = scheduled.num_batched_tokens
+        if scheduled.is_empty:
+            return outputs
+        result = self.runner.execute(scheduled)
+        self._counters.steps += 1
+        for item in scheduled.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.request)
+        sampling = [scheduled.scheduled[i].request for i in result.sampling_indices]
+        sampled = self.sampler(result.logits, sampling)
+        now = time.monotonic()
+        for row, request in enumerate(sampling):
+            request.token_ids.append(sampled.token_ids[row])
+            request.logprobs.append(sampled.logprobs[row] or 0.0)
+            request.top_logprob_ids.append(sampled.top_ids[row])
+            request.top_logprob_values.append(sampled.top_logprobs[row])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            reason = self._check_stop(request)
+            self._counters.generation_tokens += 1
+            if reason is not FinishReason.NONE:
+                self._finish(request, reason)
+            output = self._output(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _drop_last(self, request: Request, count: int) -> None:
+        del request.token_ids[-count:]
+        del request.logprobs[-count:]
+        del request.top_logprob_ids[-count:]
+        del request.top_logprob_values[-count:]
+
+    def _check_stop(self, request: Request) -> FinishReason:
+        token = request.token_ids[-1]
+        if token in request.stop_token_ids:
+            self._drop_last(request, 1)
+            return FinishReason.STOP
+        outputs = request.output_token_ids
+        for sequence in request.stop_multi:
+            if len(outputs) >= len(sequence) and tuple(outputs[-len(sequence) :]) == sequence:
+                self._drop_last(request, len(sequence))
+                return FinishReason.STOP
+        if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+
+    @staticmethod
+    def _holdback(request: Request) -> int:
+        """Trailing tokens that could still become a stop sequence (never sent early)."""
+        outputs = request.output_token_ids
+        longest = 0
+        for sequence in request.stop_multi:
+            for length in range(min(len(sequence) - 1, len(outputs)), longest, -1):
+                if tuple(outputs[-length:]) == sequence[:length]:
+                    longest = length
+                    break
+        return longest
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The output due for this request now, or None (nothing to send yet)."""
+        num_output = request.num_output_tokens
+        finished = request.is_finished
+        upto = num_output if finished else num_output - self._holdback(request)
+        start = request.num_sent_tokens
+        if not finished:
+            if not request.streaming or upto <= start:
+                return None
+            if start > 0 and upto - start < self.config.stream_interval:
+                return None
+        outputs = request.output_token_ids
+        params = request.params
+        wants_logprobs = params.logprobs or params.top_logprobs > 0
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=outputs[start:upto],
+            context_ids=outputs[max(0, start - DETOKENIZE_CONTEXT) : start],
+            new_logprobs=request.logprobs[start:upto] if wants_logprobs else [],
+            new_top_ids=request.top_logprob_ids[start:upto] if params.top_logprobs else [],
+            new_top_logprobs=request.top_logprob_values[start:upto] if params.top_logprobs else [],
+            cum_logprob=float(sum(request.logprobs[:upto])) if wants_logprobs else 0.0,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=upto,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        request.num_sent_tokens = upto
+        if finished:
+            end = request.finish_time
+            output.e2e_latency = end - request.arrival_time
+            if request.first_token_time is not None:
+                output.time_to_first_token = request.first_token_time - request.arrival_time
+                if num_output > 1:
+                    output.time_per_output_token = (request.last_token_time - request.first_token_time) / (
+                        num_output - 1
+                    )
+        return output
+
+    # ---- introspection ----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        manager = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions_total=self.scheduler.num_preemptions,
+            num_blocks_total=manager.num_blocks,
+            num_blocks_used=manager.num_used_blocks,
+            num_blocks_free=manager.num_free_blocks,
+            num_blocks_cached=manager.num_cached_blocks,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
+            num_tokens_last_step=self._counters.tokens_last_step,
+            prompt_tokens_total=self._counters.prompt_tokens,
+            generation_tokens_total=self._counters.generation_tokens,
+            num_steps_total=self._counters.steps,
+        )

@@ -1,0 +1,235 @@
+"""The Llama family in our own torch code: Llama 2/3 (incl. Llama-3 RoPE scaling),
+Mistral (sliding window), Qwen2 (QKV bias), SmolLM2.
+
+RMSNorm, SwiGLU, grouped-query attention, tied embeddings. The model runs on packed
+batches with no padding: hidden states are [num_tokens, hidden_size]; attention goes
+through an AttentionBackend (paged KV cache). Parameter names follow Hugging Face's,
+so a `transformers` state dict loads as is. The arithmetic follows `transformers`'
+order of operations, so fp32 greedy outputs are equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflightllm.attention.base import AttentionBackend, AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The architecture numbers of one model, normalised from its config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config: dict) -> LlamaArch:
+        model_type = config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        # transformers 5 keeps RoPE settings in rope_parameters; 4.x in rope_theta/rope_scaling.
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = config.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+            elif scaling["rope_type"] != "llama3":
+                raise ValueError(f"RoPE scaling {scaling['rope_type']!r} is not supported; supported: llama3")
+        sliding_window = config.get("sliding_window")
+        if model_type == "qwen2" and not config.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+
+
+def rope_inverse_frequencies(arch: LlamaArch) -> torch.Tensor:
+    """[head_dim // 2] float32, as transformers computes them (incl. Llama-3 scaling)."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [num_tokens, head_dim], for the given positions."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, arch.num_heads * arch.head_dim, bias=bias)
+        self.k_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.model_type == "llama" and arch.attention_bias)
+
+    def forward(self, hidden, cos, sin, backend: AttentionBackend, metadata: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer_index, q, k, v, metadata)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, hidden):
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(arch, layer_index)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, backend, metadata):
+        residual = hidden
+        hidden = self.input_layernorm(hidden)
+        hidden = residual + self.self_attn(hidden, cos, sin, backend, metadata)
+        residual = hidden
+        hidden = self.post_attention_layernorm(hidden)
+        return residual + self.mlp(hidden)
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Packed-batch causal LM: `forward` gives hidden states, `compute_logits` the
+    logits of selected positions only."""
+
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaBody(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, backend: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(metadata.positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, backend, metadata)
+        return self.model.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,105 @@
+"""Build a model from a ModelSpec: safetensors from a prepared HF folder, or seeded
+random weights for a named shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inflightllm.model_source import ModelSpec, prepare
+from inflightllm.models.llama import LlamaArch, LlamaForCausalLM, rope_inverse_frequencies
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: LlamaArch
+    config: dict
+    folder: Path
+    eos_token_ids: frozenset[int]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def eos_token_ids(folder: Path, config: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json."""
+    value = None
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+    if value is None:
+        value = config.get("eos_token_id")
+    if value is None:
+        return frozenset()
+    return frozenset(value if isinstance(value, list) else [value])
+
+
+def _init_random(model: LlamaForCausalLM, seed: int) -> None:
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+
+
+def _load_safetensors(model: LlamaForCausalLM, folder: Path, device: torch.device) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    expected = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        for name, tensor in load_file(str(file), device=str(device)).items():
+            if name not in expected:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise KeyError(f"{file.name}: unexpected weight {name!r} for this architecture")
+            with torch.no_grad():
+                expected[name].copy_(tensor.to(expected[name].dtype))
+            loaded.add(name)
+    missing = set(expected) - loaded
+    if model.arch.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+
+def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load (or randomly initialise) the model of `spec` onto `device`."""
+    device = torch.device(device)
+    dtype = TORCH_DTYPES[spec.dtype]
+    folder = prepare(spec)
+    config = json.loads((folder / "config.json").read_text())
+    arch = LlamaArch.from_config(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to_empty(device=device).to(dtype)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if spec.source == "random":
+        _init_random(model, spec.seed)
+    else:
+        _load_safetensors(model, folder, device)
+    # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
+    model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        config=config,
+        folder=folder,
+        eos_token_ids=eos_token_ids(folder, config),
+        dtype=dtype,
+        device=device,
+    )

@@ -1,0 +1,110 @@
+"""The state of one request (sequence) inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inflightllm.sampling_params import SamplingParams
+
+# How many already-sent tokens accompany each output as detokenization context.
+DETOKENIZE_CONTEXT = 8
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.IntEnum):
+    """Wire codes of the engine's `finish_reason` output (docs/INTERFACE.md)."""
+
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    CANCELLED = 3
+
+    @property
+    def text(self) -> str:
+        return "" if self is FinishReason.NONE else self.name.lower()
+
+
+@dataclass
+class Request:
+    """One sequence: its tokens, counters, KV block table and emission state.
+
+    `token_ids` holds the prompt followed by every generated token. A token is
+    *computed* once its K/V are in the cache (`num_computed_tokens`); the last sampled
+    token is not computed until the next step feeds it back in.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    streaming: bool = False
+    echo_prompt: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_preemptions: int = 0
+    admitted_seq: int = -1  # order of (re-)admission into the running set
+
+    # Generated-token bookkeeping.
+    logprobs: list[float] = field(default_factory=list)
+    top_logprob_ids: list[list[int]] = field(default_factory=list)
+    top_logprob_values: list[list[float]] = field(default_factory=list)
+    num_sent_tokens: int = 0  # generated tokens already handed out in outputs
+    finish_reason: FinishReason = FinishReason.NONE
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    first_admitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed)
+        stop_singles = {seq[0] for seq in self.params.stop_sequences if len(seq) == 1}
+        if not self.params.ignore_eos:
+            stop_singles |= set(self.eos_token_ids)
+        if self.params.end_id is not None:
+            stop_singles.add(self.params.end_id)
+        self.stop_token_ids = frozenset(stop_singles)
+        self.stop_multi = tuple(seq for seq in self.params.stop_sequences if len(seq) > 1)
+        self.banned_single = frozenset(seq[0] for seq in self.params.bad_words if len(seq) == 1)
+        self.banned_multi = tuple(seq for seq in self.params.bad_words if len(seq) > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,107 @@
+"""Turns logits into next tokens: penalties, bans, temperature, top-k/top-p/min-p,
+seeded sampling, and log probs of the model's own distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inflightllm.request import Request
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)  # of the chosen token
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+def _tail_matches(tokens: list[int], prefix: tuple[int, ...]) -> bool:
+    return len(tokens) >= len(prefix) and tuple(tokens[len(tokens) - len(prefix) :]) == prefix
+
+
+class Sampler:
+    """Samples one token per row of logits; rows follow the given requests."""
+
+    def __init__(self, seed: int | None = None):
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        """logits: [num_requests, vocab_size] float32 (modified in place)."""
+        raw_logprobs = None
+        if any(r.params.logprobs or r.params.top_logprobs for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for row, request in enumerate(requests):
+            self._apply_penalties_and_bans(logits[row], request)
+
+        token_ids = torch.empty(len(requests), dtype=torch.int64)
+        for row, request in enumerate(requests):
+            params = request.params
+            if params.greedy:
+                token_ids[row] = int(torch.argmax(logits[row]))
+            else:
+                token_ids[row] = self._sample_row(logits[row], request)
+
+        output = SampleOutput(token_ids=token_ids.tolist())
+        for row, request in enumerate(requests):
+            if raw_logprobs is None or not (request.params.logprobs or request.params.top_logprobs):
+                output.logprobs.append(None)
+                output.top_ids.append([])
+                output.top_logprobs.append([])
+                continue
+            output.logprobs.append(float(raw_logprobs[row, output.token_ids[row]]))
+            count = request.params.top_logprobs
+            if count:
+                values, ids = torch.topk(raw_logprobs[row], count)
+                output.top_ids.append(ids.tolist())
+                output.top_logprobs.append(values.tolist())
+            else:
+                output.top_ids.append([])
+                output.top_logprobs.append([])
+        return output
+
+    def _apply_penalties_and_bans(self, row: torch.Tensor, request: Request) -> None:
+        params = request.params
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64)
+            scores = row[seen]
+            penalty = params.repetition_penalty
+            row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
+            outputs = torch.tensor(request.output_token_ids, dtype=torch.int64)
+            counts = torch.bincount(outputs, minlength=row.shape[0]).to(row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        banned = set(request.banned_single)
+        for sequence in request.banned_multi:
+            if _tail_matches(request.token_ids, sequence[:-1]):
+                banned.add(sequence[-1])
+        if request.num_output_tokens < params.min_tokens:
+            banned |= request.stop_token_ids
+        if banned:
+            row[torch.tensor(sorted(banned), dtype=torch.int64)] = float("-inf")
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+        params = request.params
+        row = row / params.temperature
+        if params.top_k > 0 and params.top_k < row.shape[0]:
+            kth = torch.topk(row, params.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(row, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # Drop tokens once the mass before them already reaches top_p (keep >= 1).
+            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+            drop_sorted[0] = False
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            row = row.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if params.min_p > 0.0:
+            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        generator = request.generator if request.generator is not None else self.generator
+        return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,544 @@
+"""The `preprocessing` model's logic: client inputs -> one engine request.
+
+`build_engine_request` validates a request's inputs (docs/INTERFACE.md, "Ensemble
+inputs"), merges the vLLM-style `sampling_parameters` JSON, applies the chat template,
+tokenizes, packs stop/bad words, and returns the full "preprocessing -> engine" tensor
+set with defaults filled in. It works on plain NumPy arrays (each with the leading batch
+dimension of 1 that Triton gives), so it is tested without a server; the Triton model
+only converts tensors and turns `RequestError` into an error response.
+
+Every error message names the input (`input 'temperature'` for a tensor,
+`sampling_parameters key 'temperature'` for the JSON), the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20
+
+# sampling_parameters keys, in the order docs/INTERFACE.md lists them.
+SAMPLING_PARAMETER_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "bad_words",
+    "ignore_eos",
+    "logprobs",
+)
+
+# Inputs accepted for compatibility and otherwise ignored (their outputs are always sent,
+# and outputs are never padded).
+IGNORED_INPUTS = ("pad_id", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+# The "preprocessing -> engine" tensors: name -> NumPy dtype. Each is [1, ...].
+ENGINE_REQUEST_DTYPES: dict[str, type] = {
+    "input_ids": np.int32,
+    "input_length": np.int32,
+    "max_tokens": np.int32,
+    "min_tokens": np.int32,
+    "streaming": np.bool_,
+    "temperature": np.float32,
+    "top_k": np.int32,
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "repetition_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "seed": np.int64,
+    "end_id": np.int32,
+    "ignore_eos": np.bool_,
+    "stop_words": np.int32,
+    "bad_words": np.int32,
+    "return_log_probs": np.bool_,
+    "num_top_logprobs": np.int32,
+    "priority": np.int32,
+    "exclude_input_in_output": np.bool_,
+}
+
+
+class RequestError(ValueError):
+    """A request's input is invalid; the message is sent to the client as is."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The deployment's limits a request is checked against."""
+
+    max_input_length: int  # longest prompt, in tokens
+    max_output_len: int  # largest max_tokens
+    max_model_len: int  # prompt tokens + max_tokens
+    priority_levels: int  # priorities 0 .. priority_levels - 1
+    vocab_size: int  # token ids are 0 .. vocab_size - 1
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], vocab_size: int) -> RequestLimits:
+        """From the `preprocessing` config's string parameters. `max_model_len` defaults
+        to max_input_length + max_output_len; the others to the engine defaults."""
+
+        def integer(key: str, default: int) -> int:
+            raw = str(params.get(key, "")).strip()
+            if raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"preprocessing parameter {key!r}: {raw!r} is not an integer") from None
+
+        max_input_length = integer("max_input_length", 2048)
+        max_output_len = integer("max_output_len", 1024)
+        return cls(
+            max_input_length=max_input_length,
+            max_output_len=max_output_len,
+            max_model_len=integer("max_model_len", max_input_length + max_output_len),
+            priority_levels=integer("priority_levels", 3),
+            vocab_size=vocab_size,
+        )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _tensor_label(name: str) -> str:
+    return f"input '{name}'"
+
+
+def _json_label(key: str) -> str:
+    return f"sampling_parameters key '{key}'"
+
+
+def _show(value) -> str:
+    """A value as an error message shows it: JSON for JSON values, NumPy's shortest
+    form for tensor values (float32 0.1 shows as 0.1)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return str(value)
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _json_type_name(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _out_of_range(label: str, value, allowed: str) -> RequestError:
+    return RequestError(f"{label}: {_show(value)} is out of range; allowed: {allowed}")
+
+
+def _decode_bytes(label: str, item) -> str:
+    if isinstance(item, (bytes, np.bytes_)):
+        try:
+            return bytes(item).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise RequestError(f"{label}: the text is not valid UTF-8 ({error})") from None
+    return str(item)
+
+
+def _scalar(name: str, array: np.ndarray):
+    """The one value of a [1, 1] (or [1]) tensor."""
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise RequestError(
+            f"{_tensor_label(name)}: expected one value per request, got {flat.size} (shape {list(np.shape(array))})"
+        )
+    return flat[0]
+
+
+# JSON type checks: key -> (check, expected type in words).
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_string_or_strings(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+_JSON_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "temperature": (_is_number, "a number"),
+    "top_k": (_is_integer, "an integer"),
+    "top_p": (_is_number, "a number"),
+    "min_p": (_is_number, "a number"),
+    "repetition_penalty": (_is_number, "a number"),
+    "presence_penalty": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"),
+    "max_tokens": (_is_integer, "an integer"),
+    "min_tokens": (_is_integer, "an integer"),
+    "seed": (_is_integer, "an integer"),
+    "stop": (_is_string_or_strings, "a string or a list of strings"),
+    "stop_token_ids": (
+        lambda v: isinstance(v, list) and all(_is_integer(i) for i in v),
+        "a list of integers",
+    ),
+    "bad_words": (_is_string_or_strings, "a string or a list of strings"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
+    "logprobs": (_is_integer, "an integer"),
+}
+assert set(_JSON_TYPES) == set(SAMPLING_PARAMETER_KEYS)
+
+
+def parse_sampling_parameters(array: np.ndarray | None) -> dict:
+    """The `sampling_parameters` JSON object, type-checked. Keys with a null value count
+    as not given; an empty string counts as no JSON at all."""
+    if array is None:
+        return {}
+    text = _decode_bytes("sampling_parameters", _scalar("sampling_parameters", array))
+    if text.strip() == "":
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"sampling_parameters: not valid JSON ({error})") from None
+    if not isinstance(params, dict):
+        raise RequestError(
+            f"sampling_parameters: {_show(params)} is {_json_type_name(params)}; expected a JSON object"
+        )
+    for key, value in params.items():
+        if key not in _JSON_TYPES:
+            raise RequestError(
+                f"sampling_parameters: unknown key '{key}'; allowed keys: {', '.join(SAMPLING_PARAMETER_KEYS)}"
+            )
+        if value is None:
+            continue
+        check, expected = _JSON_TYPES[key]
+        if not check(value):
+            described = _json_type_name(value)
+            if isinstance(value, list):
+                wrong = next(
+                    (v for v in value if not (isinstance(v, str) if "string" in expected else _is_integer(v))),
+                    None,
+                )
+                described = f"a list holding {_json_type_name(wrong)}"
+            raise RequestError(
+                f"{_json_label(key)}: {_show(value)} is {described}; expected {expected}"
+            )
+    return {key: value for key, value in params.items() if value is not None}
+
+
+class _Resolver:
+    """Looks a setting up: the input tensor wins, then the JSON key, then the default."""
+
+    def __init__(self, inputs: Mapping[str, np.ndarray | None], params: dict) -> None:
+        self.inputs = inputs
+        self.params = params
+
+    def tensor(self, name: str):
+        array = self.inputs.get(name)
+        return None if array is None else _scalar(name, array)
+
+    def get(self, name: str, json_key: str | None = None):
+        """(value, label) or (None, None) when given neither way."""
+        value = self.tensor(name)
+        if value is not None:
+            return value, _tensor_label(name)
+        if json_key is not None and json_key in self.params:
+            return self.params[json_key], _json_label(json_key)
+        return None, None
+
+    def given(self, name: str, json_key: str | None = None) -> bool:
+        return self.inputs.get(name) is not None or (json_key is not None and json_key in self.params)
+
+
+def _check_float(value, label: str, low: float, high: float, allowed: str, low_open: bool = False) -> float:
+    number = float(value)
+    below = number <= low if low_open else number < low
+    if math.isnan(number) or below or number > high:
+        raise _out_of_range(label, value, allowed)
+    return number
+
+
+# ----------------------------------------------------------------------------- prompt
+
+
+def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[list[int], str]:
+    """Prompt token ids and the name of the input they came from."""
+    text_array = inputs.get("text_input")
+    messages_array = inputs.get("messages")
+    if text_array is not None and messages_array is not None:
+        raise RequestError("inputs 'text_input' and 'messages': both were given; allowed: exactly one of them")
+    if text_array is None and messages_array is None:
+        raise RequestError(
+            "input 'text_input' is missing; allowed: 'text_input' (the prompt) or 'messages' "
+            '(a JSON list of {"role", "content"} objects)'
+        )
+    if text_array is not None:
+        text = _decode_bytes("input 'text_input'", _scalar("text_input", text_array))
+        # As `generate` is usually fed (`tokenizer(text)`): the tokenizer's own special
+        # tokens (a BOS for Llama-style tokenizers; none for SmolLM2) are added.
+        return list(tokenizer.encode(text, add_special_tokens=True)), "text_input"
+
+    label = "input 'messages'"
+    raw = _decode_bytes(label, _scalar("messages", messages_array))
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"{label}: not valid JSON ({error})") from None
+    expected = 'a non-empty JSON list of {"role": string, "content": string} objects'
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"{label}: {_show(messages)} is not {expected}")
+    for index, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise RequestError(f"{label}: item {index} ({_show(message)}) is not an object with string 'role' and 'content'; expected {expected}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(f"{label}: this model's tokenizer has no chat template; send the prompt as 'text_input'")
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # the template's own checks (role order, ...) raise anything
+        raise RequestError(f"{label}: the chat template rejected the messages: {error}") from None
+    # The template already holds the special tokens (BOS included): add none.
+    return list(tokenizer.encode(prompt, add_special_tokens=False)), "messages"
+
+
+# ----------------------------------------------------------------------------- words
+
+
+def _words_from_tensor(name: str, array: np.ndarray | None) -> list[str] | None:
+    """Words of a BYTES tensor ([1, k] as TensorRT-LLM clients send it, or [k]). Each
+    element is one word, commas included; empty elements are ignored (TensorRT-LLM
+    clients send [""] for none). None when no word is left."""
+    if array is None:
+        return None
+    words = [_decode_bytes(f"input '{name}'", item) for item in np.asarray(array).reshape(-1)]
+    words = [word for word in words if word != ""]
+    return words or None
+
+
+def _words_from_json(key: str, value) -> list[str]:
+    words = [value] if isinstance(value, str) else list(value)
+    for index, word in enumerate(words):
+        if word == "":
+            where = "" if isinstance(value, str) else f"item {index} "
+            raise RequestError(f'{_json_label(key)}: {where}"" is an empty string; allowed: non-empty strings')
+    return words
+
+
+def word_token_sequences(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """Token sequences of words: each as written and, when it tokenizes differently,
+    with a leading space (so a word is caught whether or not a space precedes it).
+    Identical sequences are kept once, first occurrence first."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        for variant in (word, " " + word):
+            ids = tuple(int(i) for i in tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def pack_token_sequences(sequences: list[tuple[int, ...]]) -> np.ndarray:
+    """`[n, len_1, ids_1..., len_2, ids_2..., ...]` as INT32, shape [1, L]; `[[0]]` for none."""
+    packed = [len(sequences)]
+    for sequence in sequences:
+        packed.append(len(sequence))
+        packed.extend(sequence)
+    return np.array([packed], dtype=np.int32)
+
+
+def unpack_token_sequences(packed) -> list[tuple[int, ...]]:
+    """Inverse of `pack_token_sequences` (accepts the [1, L] array or a flat list)."""
+    flat = [int(v) for v in np.asarray(packed).reshape(-1)]
+    if not flat:
+        return []
+    count, position, sequences = flat[0], 1, []
+    for _ in range(count):
+        length = flat[position]
+        sequences.append(tuple(flat[position + 1 : position + 1 + length]))
+        position += 1 + length
+    return sequences
+
+
+# ----------------------------------------------------------------------------- request
+
+
+def build_engine_request(
+    inputs: Mapping[str, np.ndarray | None], tokenizer, limits: RequestLimits
+) -> dict[str, np.ndarray]:
+    """Validate one request's inputs and build the "preprocessing -> engine" tensors.
+
+    `inputs` maps ensemble input names to arrays with the leading batch dimension of 1
+    (missing inputs: absent or None). Returns every engine input, each `[1, ...]` with
+    the dtype of `ENGINE_REQUEST_DTYPES`. Raises `RequestError` for a bad request.
+    """
+    params = parse_sampling_parameters(inputs.get("sampling_parameters"))
+    resolve = _Resolver(inputs, params)
+    vocab_allowed = f"0 to {limits.vocab_size - 1} (the vocabulary)"
+
+    # Prompt.
+    input_ids, prompt_input = _prompt_ids(inputs, tokenizer)
+    allowed_length = f"1 to {limits.max_input_length} tokens (the profile's max_input_length)"
+    if not input_ids:
+        raise RequestError(f"input '{prompt_input}': the prompt is empty (0 tokens); allowed: {allowed_length}")
+    if len(input_ids) > limits.max_input_length:
+        raise RequestError(
+            f"input '{prompt_input}': the prompt has {len(input_ids)} tokens; allowed: {allowed_length}"
+        )
+
+    # Lengths.
+    value, label = resolve.get("max_tokens", "max_tokens")
+    max_allowed = f"1 to {limits.max_output_len} (the profile's max_output_len)"
+    if value is None:
+        raise RequestError(
+            f"input 'max_tokens' is missing; allowed: {max_allowed}, as the tensor or as sampling_parameters key 'max_tokens'"
+        )
+    if not 1 <= int(value) <= limits.max_output_len:
+        raise _out_of_range(label, value, max_allowed)
+    max_tokens = int(value)
+    if len(input_ids) + max_tokens > limits.max_model_len:
+        room = max(0, limits.max_model_len - len(input_ids))
+        raise RequestError(
+            f"{label}: the prompt's {len(input_ids)} tokens + max_tokens {max_tokens} = "
+            f"{len(input_ids) + max_tokens} is more than max_model_len {limits.max_model_len}; "
+            f"allowed: max_tokens at most {room} for this prompt"
+        )
+    value, label = resolve.get("min_tokens", "min_tokens")
+    min_tokens = 0 if value is None else int(value)
+    if not 0 <= min_tokens <= max_tokens:
+        raise _out_of_range(label, value, f"0 to max_tokens ({max_tokens})")
+
+    # Sampling.
+    value, label = resolve.get("top_k", "top_k")
+    top_k = 0
+    if value is not None:
+        top_k = int(value)
+        if label.startswith("input") and top_k < 0:
+            raise _out_of_range(label, value, "0 (off) or more")
+        if top_k < -1:
+            raise _out_of_range(label, value, "-1 or 0 (off), or more")
+        top_k = max(top_k, 0)  # vLLM's -1 means off
+    value, label = resolve.get("top_p", "top_p")
+    top_p = 1.0 if value is None else _check_float(value, label, 0.0, 1.0, "greater than 0, up to 1 (1 = off)", low_open=True)
+    value, label = resolve.get("min_p", "min_p")
+    min_p = 0.0 if value is None else _check_float(value, label, 0.0, 1.0, "0 to 1 (0 = off)")
+    value, label = resolve.get("temperature", "temperature")
+    if value is not None:
+        temperature = _check_float(value, label, 0.0, 100.0, "0 to 100 (0 = greedy)")
+    elif any(resolve.given(name, name) for name in ("top_k", "top_p", "min_p")):
+        temperature = 1.0  # asking for top-k/top-p/min-p sampling means sampling
+    else:
+        temperature = 0.0  # greedy
+    value, label = resolve.get("repetition_penalty", "repetition_penalty")
+    repetition_penalty = (
+        1.0 if value is None
+        else _check_float(value, label, 0.0, 100.0, "greater than 0, up to 100 (1 = off)", low_open=True)
+    )
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value, label = resolve.get(name, name)
+        penalties[name] = 0.0 if value is None else _check_float(value, label, -2.0, 2.0, "-2 to 2")
+
+    value, label = resolve.get("seed", "seed")
+    seed = -1
+    if value is not None:
+        if label.startswith("sampling") and int(value) < 0:
+            raise _out_of_range(label, value, "0 or more")
+        seed = int(value) % 2**63  # UINT64 (and big JSON ints) folded into INT64
+
+    value, label = resolve.get("end_id")
+    end_id = -1
+    if value is not None:
+        end_id = int(value)
+        if not 0 <= end_id < limits.vocab_size:
+            raise _out_of_range(label, value, vocab_allowed)
+    ignore_eos = bool(params.get("ignore_eos", False))
+
+    # Stop and bad words (the tensor wins over the JSON key).
+    stop_words = _words_from_tensor("stop_words", inputs.get("stop_words"))
+    if stop_words is None:
+        stop_words = _words_from_json("stop", params["stop"]) if "stop" in params else []
+    stop_sequences = word_token_sequences(tokenizer, stop_words)
+    for token in params.get("stop_token_ids", []):
+        if not 0 <= token < limits.vocab_size:
+            raise _out_of_range(_json_label("stop_token_ids"), token, vocab_allowed)
+        if (token,) not in stop_sequences:
+            stop_sequences.append((token,))
+    bad_words = _words_from_tensor("bad_words", inputs.get("bad_words"))
+    if bad_words is None:
+        bad_words = _words_from_json("bad_words", params["bad_words"]) if "bad_words" in params else []
+    bad_sequences = word_token_sequences(tokenizer, bad_words)
+
+    # Log probs: the tensors win; JSON `logprobs: n` means log probs with n alternatives.
+    value, label = resolve.get("num_top_logprobs", "logprobs")
+    num_top_logprobs = 0
+    if value is not None:
+        num_top_logprobs = int(value)
+        if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _out_of_range(label, value, f"0 to {MAX_TOP_LOGPROBS}")
+    return_log_probs_tensor = resolve.tensor("return_log_probs")
+    if return_log_probs_tensor is not None:
+        return_log_probs = bool(return_log_probs_tensor)
+    else:  # asking for alternatives (or JSON logprobs) means asking for log probs
+        return_log_probs = "logprobs" in params or num_top_logprobs > 0
+
+    value, label = resolve.get("priority")
+    priority = 0
+    if value is not None:
+        priority = int(value)
+        if not 0 <= priority < limits.priority_levels:
+            raise _out_of_range(
+                label,
+                value,
+                f"0 to {limits.priority_levels - 1} (the profile's priority_levels is {limits.priority_levels}; larger is scheduled first)",
+            )
+
+    streaming = resolve.tensor("stream")
+    exclude_input = resolve.tensor("exclude_input_in_output")
+    scalars = {
+        "input_length": len(input_ids),
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "streaming": False if streaming is None else bool(streaming),
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": penalties["presence_penalty"],
+        "frequency_penalty": penalties["frequency_penalty"],
+        "seed": seed,
+        "end_id": end_id,
+        "ignore_eos": ignore_eos,
+        "return_log_probs": return_log_probs,
+        "num_top_logprobs": num_top_logprobs,
+        "priority": priority,
+        "exclude_input_in_output": False if exclude_input is None else bool(exclude_input),
+    }
+    request = {"input_ids": np.array([input_ids], dtype=np.int32)}  # [1, num_prompt_tokens]
+    for name, scalar in scalars.items():
+        request[name] = np.array([[scalar]], dtype=ENGINE_REQUEST_DTYPES[name])  # [1, 1]
+    request["stop_words"] = pack_token_sequences(stop_sequences)  # [1, packed length]
+    request["bad_words"] = pack_token_sequences(bad_sequences)
+    return {name: request[name] for name in ENGINE_REQUEST_DTYPES}
