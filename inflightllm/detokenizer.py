@@ -9,7 +9,7 @@ plus the piece's own tokens (`new_ids`). The text of the piece is
 where both decodes skip special tokens and keep spaces as they are
 (`clean_up_tokenization_spaces=False`). A token may end inside a multi-byte UTF-8
 character (byte-level BPE splits emoji and CJK into byte tokens); the tokenizer then
-decodes the incomplete bytes to U+FFFD. So a trailing run of U+FFFD is dropped:
+decodes the incomplete bytes at the end to one U+FFFD. So one trailing U+FFFD is dropped:
 
 - from `decode(context_ids)` always: the earlier piece that ended there dropped it too
   (it was not final), and the bytes are completed by `new_ids` or show up in this
@@ -17,19 +17,25 @@ decodes the incomplete bytes to U+FFFD. So a trailing run of U+FFFD is dropped:
 - from `decode(context_ids + new_ids)` unless the piece is final: the character is
   completed by a later piece, which has these tokens in its context.
 
-A whole trailing run is dropped, not one U+FFFD: byte-fallback decoders (SentencePiece
-`<0xF0>` tokens) write one U+FFFD per byte of an incomplete character. A real U+FFFD
-(or bytes that never form a character) at the end of a non-final piece is only held
-back, and appears in the next piece, so the pieces still telescope.
+Exactly one U+FFFD, not a trailing run: bytes that never form a character (a model can
+generate them) decode to U+FFFD too, and dropping a whole run would let the context
+window's own leading U+FFFD (a window that starts inside a character) vanish with it.
+A real U+FFFD at the end of a non-final piece is only held back, and appears in the
+next piece, so the pieces still telescope.
 
-Because the decode is byte-local (the text of a token does not depend on the tokens
-around it, apart from where UTF-8 characters start and end), the pieces concatenate to
-exactly `decode(all_ids)` whatever way the ids are split into pieces, and any stateless
-`postprocessing` instance can decode any piece.
+Because a byte-level decode is local (the text of a token does not depend on the
+tokens around it, apart from where UTF-8 characters start and end), the pieces
+concatenate to exactly `decode(all_ids)` whatever way the ids are split into pieces,
+and any stateless `postprocessing` instance can decode any piece. This holds for
+byte-level BPE tokenizers (SmolLM2, Llama 3, GPT-2, Qwen). SentencePiece byte-fallback
+decoders (`<0xF0>` tokens: Llama 2, Mistral) write one U+FFFD per byte of a broken
+run of byte tokens, so their pieces can differ from the full decode around multi-byte
+characters.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -48,8 +54,8 @@ def decode_text(tokenizer, token_ids: Sequence[int]) -> str:
 
 
 def _drop_incomplete_tail(text: str) -> str:
-    """The text without its trailing run of U+FFFD (bytes of a character not complete yet)."""
-    return text.rstrip(REPLACEMENT_CHARACTER)
+    """The text without one trailing U+FFFD (the bytes of a character not complete yet)."""
+    return text[:-1] if text.endswith(REPLACEMENT_CHARACTER) else text
 
 
 def decode_piece(
@@ -71,12 +77,7 @@ def decode_piece(
     before = _drop_incomplete_tail(decode_text(tokenizer, context_ids))
     if full.startswith(before):
         return full[len(before):]
-    common = 0
-    for char_full, char_before in zip(full, before):
-        if char_full != char_before:
-            break
-        common += 1
-    return full[common:]
+    return full[len(os.path.commonprefix([full, before])):]
 
 
 class IncrementalDetokenizer:

@@ -120,18 +120,9 @@ class Engine:
         self._counters = _Counters()
 
     # ---- requests ---------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        streaming: bool = False,
-        arrival_time: float | None = None,
-    ) -> Request:
-        """Validate and enqueue a request; raises InvalidRequestError naming the problem."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Raise InvalidRequestError naming the first problem. Reads only fixed settings,
+        so it is safe to call from another thread than the one running steps."""
         if not prompt_token_ids:
             raise InvalidRequestError("input_ids: the prompt is empty; at least 1 token is required")
         if len(prompt_token_ids) > self.config.max_input_length:
@@ -160,6 +151,20 @@ class Engine:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache of {capacity} tokens"
             )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        streaming: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and enqueue a request; raises InvalidRequestError naming the problem."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params, priority)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

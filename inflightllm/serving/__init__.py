@@ -1,0 +1,1 @@
+"""Serving glue between Triton models and the engine library."""

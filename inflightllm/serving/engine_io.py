@@ -1,0 +1,167 @@
+"""The engine model's tensors <-> engine requests and outputs (docs/INTERFACE.md).
+
+Pure torch: the Triton adapter moves tensors by DLPack and calls these functions, so
+the same code serves CPU and GPU hosts whatever their NumPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflightllm.engine import RequestOutput
+from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+
+ENGINE_INPUTS = (
+    "input_ids",
+    "input_length",
+    "max_tokens",
+    "min_tokens",
+    "streaming",
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "seed",
+    "end_id",
+    "ignore_eos",
+    "stop_words",
+    "bad_words",
+    "return_log_probs",
+    "num_top_logprobs",
+    "priority",
+    "exclude_input_in_output",
+)
+
+
+@dataclass
+class EngineRequest:
+    """One parsed engine-model request."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    streaming: bool
+    echo_prompt: bool  # non-streaming and not exclude_input_in_output: output starts with the prompt
+
+
+def unpack_token_sequences(packed: list[int], name: str) -> tuple[tuple[int, ...], ...]:
+    """`[n, len_1, ids_1..., len_2, ids_2...]` -> ((ids_1...), (ids_2...))."""
+    if not packed:
+        return ()
+    count = packed[0]
+    sequences = []
+    position = 1
+    for index in range(count):
+        if position >= len(packed):
+            raise InvalidRequestError(f"{name}: packed list ends before sequence {index + 1} of {count}")
+        length = packed[position]
+        if length < 1 or position + 1 + length > len(packed):
+            raise InvalidRequestError(f"{name}: sequence {index + 1} has a bad length {length}")
+        sequences.append(tuple(packed[position + 1 : position + 1 + length]))
+        position += 1 + length
+    if position != len(packed) or count < 0:
+        raise InvalidRequestError(f"{name}: packed list has {len(packed) - position} trailing values")
+    return tuple(sequences)
+
+
+def _scalar(inputs: dict[str, torch.Tensor], name: str):
+    tensor = inputs[name]
+    if tensor.numel() != 1:
+        raise InvalidRequestError(f"{name}: expected one value per request, got shape {list(tensor.shape)}")
+    return tensor.reshape(-1)[0].item()
+
+
+def parse_engine_request(inputs: dict[str, torch.Tensor]) -> EngineRequest:
+    """Validate the engine model's inputs (tensors with the leading batch dim) and
+    build an EngineRequest. Ranges are checked by the engine on add_request."""
+    missing = [name for name in ENGINE_INPUTS if name not in inputs]
+    if missing:
+        raise InvalidRequestError(f"missing inputs: {', '.join(missing)}")
+    input_ids = inputs["input_ids"]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise InvalidRequestError(
+            f"input_ids: expected shape [1, num_tokens] (one prompt per request), got {list(input_ids.shape)}"
+        )
+    prompt = input_ids[0].tolist()
+    length = int(_scalar(inputs, "input_length"))
+    if length != len(prompt):
+        raise InvalidRequestError(f"input_length: {length} does not match the {len(prompt)} tokens of input_ids")
+    seed = int(_scalar(inputs, "seed"))
+    end_id = int(_scalar(inputs, "end_id"))
+    streaming = bool(_scalar(inputs, "streaming"))
+    params = SamplingParams(
+        max_tokens=int(_scalar(inputs, "max_tokens")),
+        min_tokens=int(_scalar(inputs, "min_tokens")),
+        temperature=float(_scalar(inputs, "temperature")),
+        top_k=int(_scalar(inputs, "top_k")),
+        top_p=float(_scalar(inputs, "top_p")),
+        min_p=float(_scalar(inputs, "min_p")),
+        repetition_penalty=float(_scalar(inputs, "repetition_penalty")),
+        presence_penalty=float(_scalar(inputs, "presence_penalty")),
+        frequency_penalty=float(_scalar(inputs, "frequency_penalty")),
+        seed=None if seed < 0 else seed,
+        stop_sequences=unpack_token_sequences(inputs["stop_words"].reshape(-1).tolist(), "stop_words"),
+        bad_words=unpack_token_sequences(inputs["bad_words"].reshape(-1).tolist(), "bad_words"),
+        end_id=None if end_id < 0 else end_id,
+        ignore_eos=bool(_scalar(inputs, "ignore_eos")),
+        logprobs=bool(_scalar(inputs, "return_log_probs")),
+        top_logprobs=int(_scalar(inputs, "num_top_logprobs")),
+    )
+    return EngineRequest(
+        prompt_token_ids=prompt,
+        params=params,
+        priority=int(_scalar(inputs, "priority")),
+        streaming=streaming,
+        echo_prompt=not streaming and not bool(_scalar(inputs, "exclude_input_in_output")),
+    )
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A zero-size tensor with the strides Triton's DLPack import accepts.
+
+    torch gives a [1, n, 0] tensor strides (n, 1, 1); Triton checks row-major strides
+    computed from the shape, (0, 0, 1), and rejects the tensor as not contiguous.
+    """
+    if tensor.numel() != 0:
+        return tensor.contiguous()
+    strides = [1] * tensor.dim()
+    for axis in range(tensor.dim() - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * tensor.shape[axis + 1]
+    return torch.empty(0, dtype=tensor.dtype).as_strided(tuple(tensor.shape), tuple(strides))
+
+
+def output_tensors(output: RequestOutput, request: EngineRequest) -> dict[str, torch.Tensor]:
+    """The engine model's response tensors for one output (leading batch dim 1)."""
+    token_ids = output.new_token_ids
+    context = output.context_ids
+    if request.echo_prompt and output.finished:
+        token_ids = request.prompt_token_ids + token_ids
+        context = []
+    top_k = request.params.top_logprobs
+    num_new = len(output.new_token_ids)
+    if top_k and output.new_top_ids:
+        top_ids = torch.tensor(output.new_top_ids, dtype=torch.int32).reshape(1, num_new, top_k)
+        top_values = torch.tensor(output.new_top_logprobs, dtype=torch.float32).reshape(1, num_new, top_k)
+    else:
+        top_ids = torch.zeros((1, num_new, 0), dtype=torch.int32)
+        top_values = torch.zeros((1, num_new, 0), dtype=torch.float32)
+    tensors = {
+        "output_ids": torch.tensor([token_ids], dtype=torch.int32).reshape(1, len(token_ids)),
+        "context_ids": torch.tensor([context], dtype=torch.int32).reshape(1, len(context)),
+        "finish_reason": torch.tensor([[int(output.finish_reason)]], dtype=torch.int32),
+        "num_input_tokens": torch.tensor([[output.num_prompt_tokens]], dtype=torch.int32),
+        "num_output_tokens": torch.tensor([[output.num_output_tokens]], dtype=torch.int32),
+        "num_cached_tokens": torch.tensor([[output.num_cached_tokens]], dtype=torch.int32),
+        "cum_log_probs": torch.tensor([[output.cum_logprob]], dtype=torch.float32),
+        "output_log_probs": torch.tensor([output.new_logprobs], dtype=torch.float32).reshape(
+            1, len(output.new_logprobs)
+        ),
+        "top_logprob_ids": top_ids,
+        "top_logprobs": top_values,
+    }
+    return {name: _dense(tensor) for name, tensor in tensors.items()}

@@ -1,0 +1,176 @@
+"""The background loop that owns an Engine inside the decoupled `engine` model.
+
+`execute` (Triton's thread) only validates a request and `submit`s it with a response
+sink; it returns at once. One loop thread owns the engine: it takes in new requests,
+checks cancellations, runs a step, and sends each output through its request's sink
+(a response per `stream_interval` tokens, the final flag on the last one). Finished and
+cancelled requests' KV blocks are freed in the same step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from inflightllm.engine import Engine, EngineStats, RequestOutput
+from inflightllm.sampling_params import InvalidRequestError
+from inflightllm.serving.engine_io import EngineRequest, output_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class ResponseSink(Protocol):
+    """Where one request's responses go (a Triton response sender in production)."""
+
+    def send(self, tensors: dict[str, torch.Tensor], final: bool) -> None: ...
+
+    def send_error(self, message: str) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+StepCallback = Callable[[EngineStats, list[RequestOutput]], None]
+
+
+class EngineLoop:
+    """Runs `engine.step()` on its own thread while there is work."""
+
+    def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.on_step = on_step
+        self.idle_wait_s = idle_wait_s
+        self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
+        self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def validate(self, request: EngineRequest) -> None:
+        """Raise InvalidRequestError for a request the engine would refuse."""
+        self.engine.validate_request(request.prompt_token_ids, request.params, request.priority)
+
+    def submit(self, request: EngineRequest, sink: ResponseSink) -> str:
+        """Queue a validated request; thread-safe. Returns its engine request id."""
+        request_id = f"req-{next(self._ids)}"
+        with self._wakeup:
+            if self._stopping:
+                sink.send_error("the engine is shutting down; request not accepted")
+                return request_id
+            self._inbox.append((request_id, request, sink))
+            self._wakeup.notify()
+        return request_id
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel everything in flight (each gets its final response) and join."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active) + len(self._inbox)
+
+    # ---- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._stopping and not self._inbox and not self.engine.has_unfinished():
+                    self._wakeup.wait(self.idle_wait_s)
+                stopping = self._stopping
+                arrivals = list(self._inbox)
+                self._inbox.clear()
+            self._admit(arrivals)
+            if stopping:
+                self._cancel_all()
+                return
+            self._check_cancellations()
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # keep serving: fail the requests in flight only
+                logger.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+                continue
+            self._deliver(outputs)
+            if self.on_step is not None:
+                try:
+                    self.on_step(self.engine.stats(), outputs)
+                except Exception:
+                    logger.exception("step callback failed")
+
+    def _admit(self, arrivals) -> None:
+        for request_id, request, sink in arrivals:
+            try:
+                self.engine.add_request(
+                    request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    priority=request.priority,
+                    streaming=request.streaming,
+                    arrival_time=time.monotonic(),
+                )
+            except InvalidRequestError as error:
+                self._safe_error(sink, str(error))
+                continue
+            self._active[request_id] = (request, sink)
+
+    def _check_cancellations(self) -> None:
+        for request_id, (_, sink) in list(self._active.items()):
+            try:
+                cancelled = sink.is_cancelled()
+            except Exception:
+                cancelled = True
+            if cancelled:
+                self.engine.abort(request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            entry = self._active.get(output.request_id)
+            if entry is None:
+                continue
+            request, sink = entry
+            try:
+                sink.send(output_tensors(output, request), final=output.finished)
+            except Exception:
+                logger.exception("sending a response failed; cancelling request %s", output.request_id)
+                if not output.finished:
+                    self.engine.abort(output.request_id)
+                    continue
+            if output.finished:
+                del self._active[output.request_id]
+
+    def _cancel_all(self) -> None:
+        for request_id in list(self._active):
+            self.engine.abort(request_id)
+        self._deliver(self.engine.step() if self.engine.has_unfinished() else [])
+        for request_id, (_, sink) in list(self._active.items()):
+            self._safe_error(sink, "the engine is shutting down")
+            del self._active[request_id]
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, (_, sink) in list(self._active.items()):
+            self.engine.abort(request_id)
+            self._safe_error(sink, message)
+        self._active.clear()
+        if self.engine.has_unfinished():
+            self.engine.step()  # drains the aborted requests' final outputs (nobody to send them to)
+
+    @staticmethod
+    def _safe_error(sink: ResponseSink, message: str) -> None:
+        try:
+            sink.send_error(message)
+        except Exception:
+            logger.exception("sending an error response failed")

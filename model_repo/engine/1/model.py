@@ -1,0 +1,73 @@
+"""Triton Python model `engine`: a thin adapter over inflightllm's engine.
+
+Decoupled: `execute` validates each request and hands it, with its response sender, to
+the engine loop thread, then returns at once; the loop streams the responses. Tensors
+move by DLPack only (the stub's NumPy bridge corrupts data under NumPy 2).
+"""
+
+import json
+import logging
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.metrics import EngineMetrics
+from inflightllm.model_source import ModelSpec
+from inflightllm.sampling_params import InvalidRequestError
+from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
+from inflightllm.serving.engine_loop import EngineLoop
+
+logger = logging.getLogger("inflightllm.engine_model")
+
+
+class TritonSink:
+    """Sends one request's responses through its Triton response sender."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, tensors, final):
+        outputs = [pb_utils.Tensor.from_dlpack(name, tensor) for name, tensor in tensors.items()]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def send_error(self, message):
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        params = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+        engine = Engine(ModelSpec.from_parameters(params), EngineConfig.from_parameters(params))
+        self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"])
+        self.loop = EngineLoop(engine, on_step=self.metrics.update).start()
+        self.metrics.update(engine.stats(), [])
+        stats = engine.stats()
+        logger.info("engine ready: %d KV blocks of %d tokens", stats.num_blocks_total, engine.config.block_size)
+
+    def execute(self, requests):
+        for request in requests:
+            sink = TritonSink(request.get_response_sender())
+            try:
+                inputs = {}
+                for name in ENGINE_INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = torch.from_dlpack(tensor.to_dlpack())
+                parsed = parse_engine_request(inputs)
+                self.loop.validate(parsed)
+            except InvalidRequestError as error:
+                sink.send_error(str(error))
+                continue
+            self.loop.submit(parsed, sink)
+        return None
+
+    def finalize(self):
+        self.loop.stop()

@@ -1,0 +1,87 @@
+"""Shared test fixtures: the default tokenizer, and starting real Triton servers.
+
+- `smollm2_tokenizer` (session): SmolLM2-135M-Instruct's tokenizer (the default model).
+- `triton_server_factory` (session): `start(repository, **kwargs) -> TritonServer`; every
+  server it starts is stopped at the end of the session. Use it from a session- or
+  module-scoped fixture of your own so that a test file starts one server, not one per test.
+- `running_triton_server(repository, **kwargs)`: the same as a context manager.
+- Tests marked `gpu` are skipped where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # so that `tools.server_launcher` imports
+
+import pytest  # noqa: E402
+
+from tools.server_launcher import DEFAULT_SERVER_DIR, ServerStartError, TritonServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The default model's tokenizer (a transformers fast tokenizer), loaded once."""
+    from inflightllm.model_source import DEFAULT_TOKENIZER, load_tokenizer
+
+    return load_tokenizer(DEFAULT_TOKENIZER)
+
+
+def start_triton_server(repository: Path, timeout: float = 300.0, **kwargs) -> TritonServer:
+    """Start a tritonserver on `repository` (free loopback ports) and wait until all its
+    models are ready. Skips the test when the server folder is not built; fails it with
+    the server's report (failed models and the log's tail) when the server does not come up."""
+    server_dir = Path(kwargs.pop("server_dir", DEFAULT_SERVER_DIR))
+    if not (server_dir / "bin" / "tritonserver").exists():
+        pytest.skip(f"{server_dir}/bin/tritonserver is missing: run `make install`")
+    server = TritonServer(Path(repository), server_dir=server_dir, **kwargs)
+    try:
+        return server.start(timeout=timeout)
+    except ServerStartError as error:
+        pytest.fail(f"tritonserver did not start on {repository}:\n{error}", pytrace=False)
+
+
+@contextlib.contextmanager
+def running_triton_server(repository: Path, **kwargs):
+    """`with running_triton_server(repo) as server:` starts it and stops it afterwards."""
+    server = start_triton_server(repository, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_server_factory():
+    """A function `start(repository, **kwargs) -> TritonServer`; all are stopped at the end."""
+    servers: list[TritonServer] = []
+
+    def start(repository: Path, **kwargs) -> TritonServer:
+        server = start_triton_server(repository, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests where CUDA is absent (torch is imported only if there are any)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA (no GPU here)")
+        for item in gpu_items:
+            item.add_marker(skip)

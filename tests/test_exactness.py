@@ -1,0 +1,167 @@
+"""Exactness: greedy token ids equal `transformers`' `generate` on the same weights,
+for requests run concurrently in one engine (in-flight), with chunked prefill, after
+preemptions, and with prefix-cache hits. SmolLM2 fp32 on CPU, and tiny random-weight
+Llama-3, Mistral and Qwen2 shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.llm import LLM
+from inflightllm.model_source import DEFAULT_MODEL
+from inflightllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child in two sentences.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Pride and Prejudice?",
+    "What is 12 times 13?",
+    "Give me a tip for learning to cook.",
+]
+TEXTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):\n    ",
+    "In 1969, the first humans",
+    "Paris is",
+    "The three laws of thermodynamics are",
+    "Roses are red,",
+    "A long time ago " * 12 + "the end of the story was",
+]
+MAX_TOKENS = [24, 8, 40, 16, 12, 32, 20, 28, 10, 36, 14, 22, 30, 18, 26, 34]
+SYSTEM = (
+    "You are a meticulous assistant for a public library. You answer questions about books, "
+    "authors, opening hours and membership. Keep every answer short, friendly and factual. "
+    "If you do not know something, say so plainly and suggest asking a librarian at the desk."
+)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    """16 prompts of different lengths: 8 chat-formatted questions and 8 plain texts."""
+    chats = [
+        smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                              tokenize=False)
+        for q in QUESTIONS
+    ]
+    return [smollm2_tokenizer.encode(text) for text in chats + TEXTS]
+
+
+def run_engine(loaded, prompts, max_tokens, config, arrival_steps, sampler_seed=0):
+    engine = Engine(DEFAULT_MODEL, config, sampler_seed=sampler_seed, loaded=loaded)
+    llm = LLM(DEFAULT_MODEL, engine=engine, load_tokenizer_too=False)
+    params = [SamplingParams(max_tokens=n) for n in max_tokens]
+    results = llm.generate(prompts, params, arrival_steps=arrival_steps)
+    return results, engine
+
+
+def assert_equal_to_reference(reference, prompts, max_tokens, results):
+    mismatches = []
+    for i, (prompt, n, result) in enumerate(zip(prompts, max_tokens, results)):
+        expected = reference.greedy(prompt, n)
+        if result.token_ids != expected:
+            mismatches.append(f"prompt {i}: ours {result.token_ids} != transformers {expected}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_staggered_inflight_requests_equal_transformers(smollm2_loaded, smollm2_reference, prompts):
+    config = EngineConfig(max_num_tokens=2048, num_kv_blocks=512)
+    arrivals = [0, 0, 1, 2, 3, 3, 5, 8, 9, 12, 13, 15, 18, 21, 22, 25]
+    results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
+    assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
+    stats = engine.stats()
+    assert stats.num_preemptions_total == 0
+    assert stats.num_blocks_used == 0  # every finished request freed its blocks
+
+
+def test_chunked_prefill_equals_transformers(smollm2_loaded, smollm2_reference, prompts):
+    config = EngineConfig(max_num_tokens=24, num_kv_blocks=512)
+    assert max(len(p) for p in prompts) > 2 * 24  # some prompts take three or more chunks
+    arrivals = [0, 1, 1, 2, 3, 4, 4, 5, 6, 6, 7, 8, 9, 10, 11, 12]
+    results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
+    assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_preemption_and_recompute_equal_transformers(smollm2_loaded, smollm2_reference, prompts):
+    longest = max(len(p) + n for p, n in zip(prompts, MAX_TOKENS))
+    blocks = -(-longest // 16) + 6  # room for the longest request and a little more
+    config = EngineConfig(max_num_tokens=256, num_kv_blocks=blocks)
+    arrivals = [0] * 8 + [1] * 8
+    results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
+    assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
+    stats = engine.stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.num_blocks_used == 0
+
+
+def test_prefix_cache_hits_leave_outputs_unchanged(smollm2_loaded, smollm2_reference, smollm2_tokenizer):
+    chats = [
+        smollm2_tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
+    shared_prompts = [smollm2_tokenizer.encode(text) for text in chats]
+    max_tokens = MAX_TOKENS[:8]
+    config = EngineConfig(max_num_tokens=512, num_kv_blocks=256, enable_kv_cache_reuse=True)
+    arrivals = [0, 2, 4, 6, 8, 10, 12, 14]  # later requests find the system prompt cached
+    results, engine = run_engine(smollm2_loaded, shared_prompts, max_tokens, config, arrivals)
+    assert_equal_to_reference(smollm2_reference, shared_prompts, max_tokens, results)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0
+    # The prompts share 59 tokens: three full 16-token blocks are reused.
+    assert [r.num_cached_tokens for r in results] == [0] + [48] * 7
+    assert results[0].num_cached_tokens == 0
+
+
+# ---- tiny random-weight shapes of each supported family -------------------------------
+
+@pytest.fixture(scope="module", params=["tiny-llama3", "tiny-mistral", "tiny-qwen2"])
+def tiny_model(request, tmp_path_factory):
+    """A transformers model of the named shape with random weights, saved as an HF
+    folder; our engine loads the same folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from inflightllm.models.shapes import shape_config
+
+    config_dict = shape_config(request.param)
+    # Large weights make the logits peaked, so greedy choices are not near-ties.
+    config_dict["initializer_range"] = 0.25
+    config = AutoConfig.for_model(**config_dict)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, folder, model
+
+
+def test_tiny_random_shapes_equal_transformers(tiny_model):
+    from inflightllm.model_source import ModelSpec
+    from inflightllm.models.loader import load_model
+    from tests.engine_fixtures import HFReference
+
+    name, folder, hf_model = tiny_model
+    spec = ModelSpec(source="hf_folder", path=str(folder))
+    loaded = load_model(spec)
+    reference = HFReference(hf_model, loaded.eos_token_ids)
+    generator = __import__("random").Random(7)
+    # Lengths around the sliding window (64) and block boundaries; chunked prefill.
+    lengths = [5, 16, 17, 40, 63, 64, 65, 90, 100, 130]
+    prompts = [[generator.randrange(3, 49152) for _ in range(n)] for n in lengths]
+    max_tokens = [12, 20, 8, 30, 16, 24, 10, 28, 18, 14]
+    engine = Engine(spec, EngineConfig(max_num_tokens=48, num_kv_blocks=128, block_size=16), sampler_seed=0,
+                    loaded=loaded)
+    llm = LLM(spec, engine=engine, load_tokenizer_too=False)
+    results = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens],
+                           arrival_steps=[0, 0, 1, 2, 2, 3, 5, 6, 8, 9])
+    assert_equal_to_reference(reference, prompts, max_tokens, results), name

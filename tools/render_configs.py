@@ -1,0 +1,349 @@
+"""Render a profile into a Triton model repository (every `config.pbtxt`).
+
+The profile is validated first (inflightllm.profile); a ProfileError is printed as is
+and the exit status is 2 with nothing written. The four models' configs come from
+`templates/<model>.pbtxt.j2` (Jinja2, StrictUndefined); the tensor tables below follow
+docs/INTERFACE.md, which is authoritative. For preprocessing, engine and postprocessing
+`templates/models/<model>.py` is copied to `<model>/1/model.py` when it exists.
+
+Usage:
+  python tools/render_configs.py --profile profiles/smollm2-cpu.yaml --out model_repo
+  python tools/render_configs.py --profile profiles/smollm2-cpu.yaml --out model_repo --check
+
+`--check` renders into memory and compares with the folder: exit 0 when identical,
+1 with a unified diff per differing file (and the missing/extra files) otherwise.
+Files outside the four model folders are never touched; inside them, files the
+render does not produce are removed (never `__pycache__`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from inflightllm.profile import (
+    DEFAULT_PROFILE,
+    REPO_ROOT,
+    TOKENIZER_MAX_BATCH_SIZE,
+    Profile,
+    ProfileError,
+    load_profile,
+)
+
+TEMPLATES_DIR = REPO_ROOT / "templates"
+MODEL_SOURCES_DIR = TEMPLATES_DIR / "models"
+MODELS = ("ensemble", "preprocessing", "engine", "postprocessing")
+PYTHON_MODELS = ("preprocessing", "engine", "postprocessing")
+# Triton max_batch_size of every model. The ensemble's must not exceed any composing
+# model's; the engine's only bounds one `execute` call (it enqueues, the scheduler's
+# own engine.max_batch_size caps the running requests).
+TRITON_MAX_BATCH_SIZE = TOKENIZER_MAX_BATCH_SIZE
+IGNORED_NAMES = ("__pycache__",)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One input or output of a model config."""
+
+    name: str
+    data_type: str  # Triton TYPE_* name
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def dims_text(self) -> str:
+        return "[ " + ", ".join(str(d) for d in self.dims) + " ]"
+
+
+def _t(name: str, data_type: str, dims: tuple[int, ...] = (1,), optional: bool = False) -> Tensor:
+    return Tensor(name, data_type, dims, optional)
+
+
+# docs/INTERFACE.md "Ensemble inputs". Only max_tokens is required: text_input can be
+# replaced by messages (preprocessing checks that one of them is given).
+ENSEMBLE_INPUTS = (
+    _t("text_input", "TYPE_STRING", optional=True),
+    _t("messages", "TYPE_STRING", optional=True),
+    _t("max_tokens", "TYPE_INT32"),
+    _t("stream", "TYPE_BOOL", optional=True),
+    _t("temperature", "TYPE_FP32", optional=True),
+    _t("top_k", "TYPE_INT32", optional=True),
+    _t("top_p", "TYPE_FP32", optional=True),
+    _t("min_p", "TYPE_FP32", optional=True),
+    _t("repetition_penalty", "TYPE_FP32", optional=True),
+    _t("presence_penalty", "TYPE_FP32", optional=True),
+    _t("frequency_penalty", "TYPE_FP32", optional=True),
+    _t("min_tokens", "TYPE_INT32", optional=True),
+    _t("seed", "TYPE_UINT64", optional=True),
+    _t("stop_words", "TYPE_STRING", (-1,), optional=True),
+    _t("bad_words", "TYPE_STRING", (-1,), optional=True),
+    _t("end_id", "TYPE_INT32", optional=True),
+    _t("pad_id", "TYPE_INT32", optional=True),
+    _t("exclude_input_in_output", "TYPE_BOOL", optional=True),
+    _t("return_log_probs", "TYPE_BOOL", optional=True),
+    _t("num_top_logprobs", "TYPE_INT32", optional=True),
+    _t("priority", "TYPE_INT32", optional=True),
+    _t("sampling_parameters", "TYPE_STRING", optional=True),
+    _t("return_finish_reason", "TYPE_BOOL", optional=True),
+    _t("return_num_input_tokens", "TYPE_BOOL", optional=True),
+    _t("return_num_output_tokens", "TYPE_BOOL", optional=True),
+)
+
+# docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them.
+ENSEMBLE_OUTPUTS = (
+    _t("text_output", "TYPE_STRING"),
+    _t("finish_reason", "TYPE_STRING"),
+    _t("num_input_tokens", "TYPE_INT32"),
+    _t("num_output_tokens", "TYPE_INT32"),
+    _t("num_cached_tokens", "TYPE_INT32"),
+    _t("output_ids", "TYPE_INT32", (-1,)),
+    _t("cum_log_probs", "TYPE_FP32"),
+    _t("output_log_probs", "TYPE_FP32", (-1,)),
+    _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
+    _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+)
+
+# docs/INTERFACE.md "preprocessing -> engine": preprocessing always emits all of them.
+PREPROCESSING_TO_ENGINE = (
+    _t("input_ids", "TYPE_INT32", (-1,)),
+    _t("input_length", "TYPE_INT32"),
+    _t("max_tokens", "TYPE_INT32"),
+    _t("min_tokens", "TYPE_INT32"),
+    _t("streaming", "TYPE_BOOL"),
+    _t("temperature", "TYPE_FP32"),
+    _t("top_p", "TYPE_FP32"),
+    _t("min_p", "TYPE_FP32"),
+    _t("repetition_penalty", "TYPE_FP32"),
+    _t("presence_penalty", "TYPE_FP32"),
+    _t("frequency_penalty", "TYPE_FP32"),
+    _t("top_k", "TYPE_INT32"),
+    _t("seed", "TYPE_INT64"),
+    _t("end_id", "TYPE_INT32"),
+    _t("ignore_eos", "TYPE_BOOL"),
+    _t("stop_words", "TYPE_INT32", (-1,)),
+    _t("bad_words", "TYPE_INT32", (-1,)),
+    _t("return_log_probs", "TYPE_BOOL"),
+    _t("num_top_logprobs", "TYPE_INT32"),
+    _t("priority", "TYPE_INT32"),
+    _t("exclude_input_in_output", "TYPE_BOOL"),
+)
+
+# docs/INTERFACE.md "engine -> postprocessing".
+ENGINE_TO_POSTPROCESSING = (
+    _t("output_ids", "TYPE_INT32", (-1,)),
+    _t("context_ids", "TYPE_INT32", (-1,)),
+    _t("finish_reason", "TYPE_INT32"),
+    _t("num_input_tokens", "TYPE_INT32"),
+    _t("num_output_tokens", "TYPE_INT32"),
+    _t("num_cached_tokens", "TYPE_INT32"),
+    _t("cum_log_probs", "TYPE_FP32"),
+    _t("output_log_probs", "TYPE_FP32", (-1,)),
+    _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
+    _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+)
+
+# Names of the ensemble's internal tensors between the steps.
+PREPROCESSING_PREFIX = "_pre_"
+ENGINE_PREFIX = "_engine_"
+
+
+def profile_display_path(profile: Profile) -> str:
+    """The profile's path relative to the repository root (so the output does not depend
+    on the machine), or its absolute path when it lives elsewhere."""
+    path = Path(profile.source_path).resolve()
+    try:
+        return path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _sorted_parameters(params: dict[str, str]) -> list[tuple[str, str]]:
+    return sorted(params.items())
+
+
+def template_context(profile: Profile) -> dict:
+    """Everything the templates use."""
+    model_params = profile.model.to_parameters()
+    engine = profile.engine
+    preprocessing_params = dict(model_params)
+    preprocessing_params.update(
+        max_input_length=str(engine.max_input_length),
+        max_output_len=str(engine.max_output_len),
+        priority_levels=str(engine.priority_levels),
+        max_model_len=str(profile.context_length()),
+    )
+    engine_params = dict(engine.to_parameters())
+    overlap = set(engine_params) & set(model_params)
+    if overlap:  # the two parameter sets must stay disjoint to round-trip
+        raise AssertionError(f"engine and model parameters share keys: {sorted(overlap)}")
+    engine_params.update(model_params)
+    return {
+        "header": (
+            f"# Rendered by tools/render_configs.py from {profile_display_path(profile)}"
+            " — do not edit; edit the profile or templates/."
+        ),
+        "profile": profile,
+        "max_batch_size": TRITON_MAX_BATCH_SIZE,
+        "ensemble_inputs": ENSEMBLE_INPUTS,
+        "ensemble_outputs": ENSEMBLE_OUTPUTS,
+        "preprocessing_to_engine": PREPROCESSING_TO_ENGINE,
+        "engine_to_postprocessing": ENGINE_TO_POSTPROCESSING,
+        "preprocessing_prefix": PREPROCESSING_PREFIX,
+        "engine_prefix": ENGINE_PREFIX,
+        "preferred_batch_size": list(profile.preferred_batch_size),
+        "max_queue_delay_microseconds": profile.max_queue_delay_microseconds,
+        "instances_preprocessing": profile.instances_preprocessing,
+        "instances_postprocessing": profile.instances_postprocessing,
+        "preprocessing_parameters": _sorted_parameters(preprocessing_params),
+        "engine_parameters": _sorted_parameters(engine_params),
+        "postprocessing_parameters": _sorted_parameters(model_params),
+    }
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def _pbtxt_string(value: str) -> str:
+    """A protobuf text-format string literal."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def render_files(profile: Profile) -> dict[str, bytes]:
+    """The rendered repository as {relative posix path: content}, nothing written."""
+    environment = _environment()
+    environment.filters["pbtxt_string"] = _pbtxt_string
+    context = template_context(profile)
+    files: dict[str, bytes] = {}
+    for model in MODELS:
+        text = environment.get_template(f"{model}.pbtxt.j2").render(**context)
+        files[f"{model}/config.pbtxt"] = text.encode()
+    files["ensemble/1/.gitkeep"] = b""
+    for model in PYTHON_MODELS:
+        source = MODEL_SOURCES_DIR / f"{model}.py"
+        if source.is_file():
+            files[f"{model}/1/model.py"] = source.read_bytes()
+    return dict(sorted(files.items()))
+
+
+def _existing_files(out_dir: Path) -> set[str]:
+    """Files inside the four model folders of out_dir (never under __pycache__)."""
+    found: set[str] = set()
+    for model in MODELS:
+        model_dir = out_dir / model
+        if not model_dir.is_dir():
+            continue
+        for root, dirs, names in os.walk(model_dir):
+            dirs[:] = sorted(d for d in dirs if d not in IGNORED_NAMES)
+            for name in names:
+                found.add((Path(root) / name).relative_to(out_dir).as_posix())
+    return found
+
+
+def render(profile: Profile, out_dir) -> list[str]:
+    """Write the rendered repository into out_dir; returns the paths written or removed
+    (files whose content was already right are left untouched)."""
+    out_dir = Path(out_dir)
+    files = render_files(profile)
+    changed: list[str] = []
+    for model in MODELS:
+        (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
+    for relative, content in files.items():
+        target = out_dir / relative
+        if target.is_file() and target.read_bytes() == content:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+        changed.append(relative)
+    for relative in sorted(_existing_files(out_dir) - set(files)):
+        (out_dir / relative).unlink()
+        changed.append(relative)
+    _remove_empty_stale_dirs(out_dir)
+    return changed
+
+
+def _remove_empty_stale_dirs(out_dir: Path) -> None:
+    for model in MODELS:
+        for root, _dirs, _files in os.walk(out_dir / model, topdown=False):
+            path = Path(root)
+            if any(part in IGNORED_NAMES for part in path.relative_to(out_dir).parts):
+                continue
+            if path in (out_dir / model, out_dir / model / "1"):
+                continue
+            if not any(path.iterdir()):
+                path.rmdir()
+
+
+def check(profile: Profile, out_dir) -> list[str]:
+    """Compare out_dir with a fresh render; returns one description per drifted file
+    (a unified diff for a changed file), empty when they match."""
+    out_dir = Path(out_dir)
+    files = render_files(profile)
+    drift: list[str] = []
+    for relative, content in files.items():
+        target = out_dir / relative
+        if not target.is_file():
+            drift.append(f"missing: {relative}")
+            continue
+        actual = target.read_bytes()
+        if actual == content:
+            continue
+        try:
+            diff = difflib.unified_diff(
+                actual.decode().splitlines(keepends=True),
+                content.decode().splitlines(keepends=True),
+                fromfile=f"{out_dir.as_posix()}/{relative}",
+                tofile=f"rendered/{relative}",
+            )
+            drift.append(f"differs: {relative}\n" + "".join(diff).rstrip("\n"))
+        except UnicodeDecodeError:
+            drift.append(f"differs: {relative} (binary)")
+    for relative in sorted(_existing_files(out_dir) - set(files)):
+        drift.append(f"extra: {relative} (the render does not produce it)")
+    return drift
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render a profile into a Triton model repository.")
+    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="profile YAML (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "model_repo", help="output folder (default: %(default)s)")
+    parser.add_argument("--check", action="store_true", help="compare --out with a fresh render; write nothing")
+    args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.check:
+        drift = check(profile, args.out)
+        if drift:
+            for item in drift:
+                print(item)
+            print(
+                f"{args.out}: {len(drift)} file(s) differ from a fresh render of {args.profile}; "
+                f"run: python tools/render_configs.py --profile {args.profile} --out {args.out}"
+            )
+            return 1
+        print(f"{args.out}: up to date with {args.profile}")
+        return 0
+    changed = render(profile, args.out)
+    total = len(render_files(profile))
+    print(f"rendered {args.profile} into {args.out}: {total} files, {len(changed)} written or removed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
