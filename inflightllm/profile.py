@@ -52,6 +52,11 @@ SOURCE_KEYS = {
 SOURCE_REQUIRED_KEYS = {"gguf_package": ("package", "file"), "hf_folder": ("path",), "random": ("shape",)}
 DEVICE_KEYS = ("kind", "gpu_ids", "tensor_parallel_size")
 INSTANCE_KEYS = ("preprocessing", "postprocessing")
+# postprocessing runs one instance on Triton's default scheduler (templates/postprocessing.pbtxt.j2).
+POSTPROCESSING_INSTANCES_PROBLEM = (
+    "postprocessing runs exactly one instance: it relays client cancellations to the engine "
+    "and keeps each stream's pieces in order (docs/INTERFACE.md); allowed: 1"
+)
 QUEUE_POLICY_KEYS = ("max_queue_size", "default_timeout_microseconds")
 DYNAMIC_BATCHING_KEYS = ("preferred_batch_size", "max_queue_delay_microseconds")
 # EngineConfig fields that do not come from `engine:` (device ones come from `device:`,
@@ -242,9 +247,9 @@ def validate_profile_dict(data: dict, source_path) -> Profile:
     instances_preprocessing = reader.integer(
         instances.get("preprocessing", DEFAULT_INSTANCES), "instances.preprocessing", 1, 64
     )
-    instances_postprocessing = reader.integer(
-        instances.get("postprocessing", DEFAULT_INSTANCES), "instances.postprocessing", 1, 64
-    )
+    instances_postprocessing = reader.integer(instances.get("postprocessing", 1), "instances.postprocessing")
+    if instances_postprocessing != 1:
+        reader.fail("instances.postprocessing", f"{instances_postprocessing} is not allowed; {POSTPROCESSING_INSTANCES_PROBLEM}")
     engine = _read_engine(reader, data, kind, gpu_ids, tensor_parallel_size)
     preferred_batch_size, max_queue_delay = _read_dynamic_batching(reader, data)
 

@@ -32,6 +32,7 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
+    @torch.inference_mode()  # the model's logits are inference tensors: in-place edits need this mode
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """logits: [num_requests, vocab_size] float32 (modified in place)."""
         raw_logprobs = None

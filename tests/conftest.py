@@ -5,6 +5,9 @@
   server it starts is stopped at the end of the session. Use it from a session- or
   module-scoped fixture of your own so that a test file starts one server, not one per test.
 - `running_triton_server(repository, **kwargs)`: the same as a context manager.
+- `model_repo_server` (session): one tritonserver on the committed `model_repo/` (the
+  default profile: the whole ensemble with SmolLM2), shared by every server test so the
+  model loads once per session.
 - Tests marked `gpu` are skipped where CUDA is absent.
 """
 
@@ -26,9 +29,9 @@ from tools.server_launcher import DEFAULT_SERVER_DIR, ServerStartError, TritonSe
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The default model's tokenizer (a transformers fast tokenizer), loaded once."""
-    from inflightllm.model_source import DEFAULT_TOKENIZER, load_tokenizer
+    from inflightllm.model_source import DEFAULT_MODEL, load_tokenizer
 
-    return load_tokenizer(DEFAULT_TOKENIZER)
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 def start_triton_server(repository: Path, timeout: float = 300.0, **kwargs) -> TritonServer:
@@ -68,6 +71,12 @@ def triton_server_factory():
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_repo_server(triton_server_factory) -> TritonServer:
+    """The whole default repository (ensemble, preprocessing, engine, postprocessing)."""
+    return triton_server_factory(REPO_ROOT / "model_repo", timeout=600.0)
 
 
 def pytest_collection_modifyitems(config, items):

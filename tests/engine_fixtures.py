@@ -58,9 +58,3 @@ class HFReference:
 def smollm2_reference(smollm2_hf, smollm2_loaded) -> HFReference:
     return HFReference(smollm2_hf, smollm2_loaded.eos_token_ids)
 
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_folder):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_folder)

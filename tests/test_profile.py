@@ -104,7 +104,7 @@ def test_full_profile_values_travel_into_engine_config(tmp_path):
         "description": "all keys",
         "model": {"source": "random", "shape": "tiny-llama3", "seed": 7, "dtype": "bfloat16", "max_model_len": 1600},
         "device": {"kind": "cpu", "gpu_ids": [], "tensor_parallel_size": 1},
-        "instances": {"preprocessing": 3, "postprocessing": 5},
+        "instances": {"preprocessing": 3, "postprocessing": 1},
         "engine": {
             "max_batch_size": 8,
             "max_num_tokens": 512,
@@ -143,7 +143,7 @@ def test_full_profile_values_travel_into_engine_config(tmp_path):
         gpu_ids=(),
         tensor_parallel_size=1,
     )
-    assert (profile.instances_preprocessing, profile.instances_postprocessing) == (3, 5)
+    assert (profile.instances_preprocessing, profile.instances_postprocessing) == (3, 1)
     assert profile.preferred_batch_size == (2, 16)
     assert profile.max_queue_delay_microseconds == 0
     assert profile.context_length() == 1600
@@ -255,7 +255,12 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
             [("engine.gpu_memory_utilization", 0.0)],
             "engine.gpu_memory_utilization: 0.0 is out of range; allowed: greater than 0 and less than 1",
         ),
-        ([("instances.postprocessing", 65)], "instances.postprocessing: 65 is out of range; allowed: 1 .. 64"),
+        (
+            [("instances.postprocessing", 2)],
+            "instances.postprocessing: 2 is not allowed; postprocessing runs exactly one instance: it relays "
+            "client cancellations to the engine and keeps each stream's pieces in order (docs/INTERFACE.md); "
+            "allowed: 1",
+        ),
         ([("model.seed", -1)], "model.seed: -1 is out of range; allowed: >= 0"),
         ([("model.max_model_len", 0)], "model.max_model_len: 0 is out of range; allowed: >= 1"),
         (
@@ -543,7 +548,7 @@ def test_default_profile():
         gpu_ids=(),
         tensor_parallel_size=1,
     )
-    assert (profile.instances_preprocessing, profile.instances_postprocessing) == (2, 2)
+    assert (profile.instances_preprocessing, profile.instances_postprocessing) == (2, 1)
     assert profile.preferred_batch_size == (4, 8)
     assert profile.max_queue_delay_microseconds == 500
     assert profile.context_length() == 8192

@@ -179,12 +179,12 @@ def test_cli_render_then_check(tmp_path):
     assert result.stdout == f"{out}: up to date with profiles/smollm2-cpu.yaml\n"
 
     config = out / "postprocessing" / "config.pbtxt"
-    config.write_text(config.read_text().replace("preserve_ordering: true", "preserve_ordering: false"))
+    config.write_text(config.read_text().replace("count: 1", "count: 2"))
     result = run_cli("--profile", "profiles/smollm2-cpu.yaml", "--out", str(out), "--check")
     assert result.returncode == 1
     assert "differs: postprocessing/config.pbtxt" in result.stdout
-    assert "-  preserve_ordering: false" in result.stdout
-    assert "+  preserve_ordering: true" in result.stdout
+    assert "-    count: 2" in result.stdout
+    assert "+    count: 1" in result.stdout
     assert "engine/config.pbtxt" not in result.stdout
 
 
@@ -239,15 +239,15 @@ def test_profile_settings_reach_the_configs(tmp_path, default_profile):
     pre = parse_config(tmp_path / "preprocessing" / "config.pbtxt")
     post = parse_config(tmp_path / "postprocessing" / "config.pbtxt")
     engine = parse_config(tmp_path / "engine" / "config.pbtxt")
-    for config, count in ((pre, 2), (post, 2), (engine, 1)):
+    for config, count in ((pre, 2), (post, 1), (engine, 1)):
         assert config.backend == "python"
         assert [(group.count, model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)) for group in config.instance_group] == [
             (count, "KIND_CPU")
         ]
-    for config in (pre, post):
-        assert list(config.dynamic_batching.preferred_batch_size) == [4, 8]
-        assert config.dynamic_batching.max_queue_delay_microseconds == 500
-    assert post.dynamic_batching.preserve_ordering is True
+    assert list(pre.dynamic_batching.preferred_batch_size) == [4, 8]
+    assert pre.dynamic_batching.max_queue_delay_microseconds == 500
+    # postprocessing stays on the default scheduler: it must see cancelled pieces.
+    assert not post.HasField("dynamic_batching")
     assert engine.model_transaction_policy.decoupled is True
     assert engine.HasField("dynamic_batching")
 
@@ -265,19 +265,22 @@ def configs(tmp_path_factory, default_profile):
 def test_tensors_follow_the_interface_document(configs):
     ensemble_inputs = interface_table("Ensemble inputs", optional_column=True)
     ensemble_outputs = interface_table("Ensemble outputs (every response)")
-    to_engine = interface_table("preprocessing → engine")
+    # The section ends with the engine's control input, cancel_request.
+    *to_engine, control = interface_table("preprocessing → engine")
+    assert control[0] == "cancel_request"
     to_postprocessing = interface_table("engine → postprocessing")
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
     assert [row[0] for row in ensemble_inputs if not row[3]] == ["max_tokens"]
     assert len(ensemble_inputs) == 25 and len(ensemble_outputs) == 10
-    assert len(to_engine) == 21 and len(to_postprocessing) == 10
+    assert len(to_engine) == 21 and len(to_postprocessing) == 11
 
     assert tensors(configs["ensemble"].input) == ensemble_inputs
     assert tensors(configs["ensemble"].output) == ensemble_outputs
     assert tensors(configs["preprocessing"].input) == ensemble_inputs
     assert tensors(configs["preprocessing"].output) == to_engine
-    assert tensors(configs["engine"].input) == to_engine
+    # The engine's inputs are all optional (a control request carries cancel_request alone).
+    assert tensors(configs["engine"].input) == [(n, t, d, True) for n, t, d, _ in [*to_engine, control]]
     assert tensors(configs["engine"].output) == to_postprocessing
     assert tensors(configs["postprocessing"].input) == to_postprocessing
     assert tensors(configs["postprocessing"].output) == ensemble_outputs
@@ -300,7 +303,8 @@ def test_ensemble_wiring_is_complete(configs):
     assert dict(pre.input_map) == {name: name for name in names(ensemble.input)}
     # Each step maps exactly its model's inputs and outputs.
     for model, step in steps.items():
-        assert set(step.input_map) == names(configs[model].input), model
+        control = {"cancel_request"} if model == "engine" else set()  # sent by postprocessing, not mapped
+        assert set(step.input_map) == names(configs[model].input) - control, model
         assert set(step.output_map) == names(configs[model].output), model
     # Internal tensors start with `_` and are each produced once.
     produced = {}

@@ -134,8 +134,16 @@ PREPROCESSING_TO_ENGINE = (
     _t("exclude_input_in_output", "TYPE_BOOL"),
 )
 
+# The engine's inputs: preprocessing's outputs, plus the control input `cancel_request`.
+# All optional in the config so that a control request can carry `cancel_request` alone;
+# the engine itself names any missing input of a generation request.
+ENGINE_INPUTS = tuple(_t(t.name, t.data_type, t.dims, optional=True) for t in PREPROCESSING_TO_ENGINE) + (
+    _t("cancel_request", "TYPE_INT64", optional=True),
+)
+
 # docs/INTERFACE.md "engine -> postprocessing".
 ENGINE_TO_POSTPROCESSING = (
+    _t("request_handle", "TYPE_INT64"),
     _t("output_ids", "TYPE_INT32", (-1,)),
     _t("context_ids", "TYPE_INT32", (-1,)),
     _t("finish_reason", "TYPE_INT32"),
@@ -193,13 +201,13 @@ def template_context(profile: Profile) -> dict:
         "ensemble_inputs": ENSEMBLE_INPUTS,
         "ensemble_outputs": ENSEMBLE_OUTPUTS,
         "preprocessing_to_engine": PREPROCESSING_TO_ENGINE,
+        "engine_inputs": ENGINE_INPUTS,
         "engine_to_postprocessing": ENGINE_TO_POSTPROCESSING,
         "preprocessing_prefix": PREPROCESSING_PREFIX,
         "engine_prefix": ENGINE_PREFIX,
         "preferred_batch_size": list(profile.preferred_batch_size),
         "max_queue_delay_microseconds": profile.max_queue_delay_microseconds,
         "instances_preprocessing": profile.instances_preprocessing,
-        "instances_postprocessing": profile.instances_postprocessing,
         "preprocessing_parameters": _sorted_parameters(preprocessing_params),
         "engine_parameters": _sorted_parameters(engine_params),
         "postprocessing_parameters": _sorted_parameters(model_params),

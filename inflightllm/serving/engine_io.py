@@ -135,8 +135,11 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=tensor.dtype).as_strided(tuple(tensor.shape), tuple(strides))
 
 
-def output_tensors(output: RequestOutput, request: EngineRequest) -> dict[str, torch.Tensor]:
-    """The engine model's response tensors for one output (leading batch dim 1)."""
+def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0) -> dict[str, torch.Tensor]:
+    """The engine model's response tensors for one output (leading batch dim 1).
+
+    `handle` identifies the request to the engine (postprocessing sends it back in a
+    `cancel_request` control request when the client cancels)."""
     token_ids = output.new_token_ids
     context = output.context_ids
     if request.echo_prompt and output.finished:
@@ -151,6 +154,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest) -> dict[str, t
         top_ids = torch.zeros((1, num_new, 0), dtype=torch.int32)
         top_values = torch.zeros((1, num_new, 0), dtype=torch.float32)
     tensors = {
+        "request_handle": torch.tensor([[handle]], dtype=torch.int64),
         "output_ids": torch.tensor([token_ids], dtype=torch.int32).reshape(1, len(token_ids)),
         "context_ids": torch.tensor([context], dtype=torch.int32).reshape(1, len(context)),
         "finish_reason": torch.tensor([[int(output.finish_reason)]], dtype=torch.int32),

@@ -47,6 +47,7 @@ class EngineLoop:
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
+        self._cancels: deque[int] = deque()  # handles of requests to abort
         self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -61,9 +62,24 @@ class EngineLoop:
         """Raise InvalidRequestError for a request the engine would refuse."""
         self.engine.validate_request(request.prompt_token_ids, request.params, request.priority)
 
+    @staticmethod
+    def request_id(handle: int) -> str:
+        return f"req-{handle}"
+
+    @staticmethod
+    def handle(request_id: str) -> int:
+        return int(request_id.removeprefix("req-"))
+
+    def cancel(self, handle: int) -> None:
+        """Abort the request with this handle at the next iteration; thread-safe. Unknown
+        or finished handles are ignored."""
+        with self._wakeup:
+            self._cancels.append(handle)
+            self._wakeup.notify()
+
     def submit(self, request: EngineRequest, sink: ResponseSink) -> str:
         """Queue a validated request; thread-safe. Returns its engine request id."""
-        request_id = f"req-{next(self._ids)}"
+        request_id = self.request_id(next(self._ids))
         with self._wakeup:
             if self._stopping:
                 sink.send_error("the engine is shutting down; request not accepted")
@@ -93,7 +109,11 @@ class EngineLoop:
                 stopping = self._stopping
                 arrivals = list(self._inbox)
                 self._inbox.clear()
+                cancels = list(self._cancels)
+                self._cancels.clear()
             self._admit(arrivals)
+            for handle in cancels:
+                self.engine.abort(self.request_id(handle))
             if stopping:
                 self._cancel_all()
                 return
@@ -103,7 +123,7 @@ class EngineLoop:
             except Exception as error:  # keep serving: fail the requests in flight only
                 logger.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
-                continue
+                outputs = []
             self._deliver(outputs)
             if self.on_step is not None:
                 try:
@@ -125,6 +145,10 @@ class EngineLoop:
             except InvalidRequestError as error:
                 self._safe_error(sink, str(error))
                 continue
+            except Exception as error:  # never let one request end the loop thread
+                logger.exception("adding request %s failed", request_id)
+                self._safe_error(sink, f"engine could not accept the request: {type(error).__name__}: {error}")
+                continue
             self._active[request_id] = (request, sink)
 
     def _check_cancellations(self) -> None:
@@ -143,7 +167,7 @@ class EngineLoop:
                 continue
             request, sink = entry
             try:
-                sink.send(output_tensors(output, request), final=output.finished)
+                sink.send(output_tensors(output, request, self.handle(output.request_id)), final=output.finished)
             except Exception:
                 logger.exception("sending a response failed; cancelling request %s", output.request_id)
                 if not output.finished:

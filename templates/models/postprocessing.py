@@ -3,10 +3,18 @@
 The logic lives in `inflightllm.text.postprocess.build_text_response`; it is stateless
 (each piece carries its own detokenization context), so any instance may decode any
 piece. This file only converts Triton tensors to NumPy and back.
+
+It also relays cancellations: when a client cancels an ensemble request, Triton 2.51
+marks the *next* step's requests cancelled, i.e. the pieces arriving here; the engine
+never sees it. A cancelled piece makes this model send the engine a control request
+(`cancel_request` = the piece's `request_handle`), and the engine aborts that request
+within one step and frees its KV blocks.
 """
 
 import json
+from collections import OrderedDict
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer
@@ -19,10 +27,36 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.tokenizer = load_tokenizer(ModelSpec.from_parameters(params))
         self.input_names = [tensor["name"] for tensor in config["input"]]
+        self.engine_model = params.get("engine_model", "engine")
+        self.relayed: OrderedDict[int, None] = OrderedDict()  # handles already relayed (bounded)
+
+    def relay_cancellation(self, request):
+        handle = int(pb_utils.get_input_tensor_by_name(request, "request_handle").as_numpy().reshape(-1)[0])
+        if handle in self.relayed:
+            return
+        self.relayed[handle] = None
+        if len(self.relayed) > 4096:
+            self.relayed.popitem(last=False)
+        control = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            requested_output_names=[],
+            inputs=[pb_utils.Tensor("cancel_request", np.array([[handle]], dtype=np.int64))],
+        )
+        for response in control.exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_error(f"postprocessing: relaying cancellation failed: {response.error().message()}")
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                self.relay_cancellation(request)
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                    )
+                )
+                continue
             try:
                 inputs = {}
                 for name in self.input_names:

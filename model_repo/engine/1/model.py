@@ -3,6 +3,10 @@
 Decoupled: `execute` validates each request and hands it, with its response sender, to
 the engine loop thread, then returns at once; the loop streams the responses. Tensors
 move by DLPack only (the stub's NumPy bridge corrupts data under NumPy 2).
+
+A request carrying only `cancel_request` (a request handle) is a control request:
+postprocessing sends one when a client cancels an ensemble request, which this model
+cannot see itself (Triton 2.51 marks only the next step's requests cancelled).
 """
 
 import json
@@ -55,6 +59,11 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sink = TritonSink(request.get_response_sender())
+            cancel = pb_utils.get_input_tensor_by_name(request, "cancel_request")
+            if cancel is not None:  # a control request from postprocessing: the client cancelled
+                self.loop.cancel(int(torch.from_dlpack(cancel.to_dlpack()).reshape(-1)[0]))
+                sink.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             try:
                 inputs = {}
                 for name in ENGINE_INPUTS:

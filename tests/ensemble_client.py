@@ -1,0 +1,190 @@
+"""A small gRPC streaming client for the ensemble, for the server tests.
+
+Sends many requests concurrently over one or more streams and collects each request's
+responses in order (docs/INTERFACE.md names and types).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+# Ensemble input name -> (Triton type, NumPy dtype).
+INPUT_TYPES = {
+    "text_input": ("BYTES", object),
+    "messages": ("BYTES", object),
+    "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", bool),
+    "temperature": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "top_p": ("FP32", np.float32),
+    "min_p": ("FP32", np.float32),
+    "repetition_penalty": ("FP32", np.float32),
+    "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32),
+    "min_tokens": ("INT32", np.int32),
+    "seed": ("UINT64", np.uint64),
+    "stop_words": ("BYTES", object),
+    "bad_words": ("BYTES", object),
+    "end_id": ("INT32", np.int32),
+    "pad_id": ("INT32", np.int32),
+    "exclude_input_in_output": ("BOOL", bool),
+    "return_log_probs": ("BOOL", bool),
+    "num_top_logprobs": ("INT32", np.int32),
+    "priority": ("INT32", np.int32),
+    "sampling_parameters": ("BYTES", object),
+}
+
+
+def make_inputs(request: dict) -> list[grpcclient.InferInput]:
+    """`{"text_input": "hi", "max_tokens": 8, "stop_words": ["a", "b"], "messages": [...]}`
+    -> InferInputs with the batch dimension of 1."""
+    inputs = []
+    for name, value in request.items():
+        triton_type, np_type = INPUT_TYPES[name]
+        if name == "messages" and not isinstance(value, str):
+            value = json.dumps(value)
+        if name == "sampling_parameters" and not isinstance(value, str):
+            value = json.dumps(value)
+        values = value if isinstance(value, list) else [value]
+        if np_type is object:
+            array = np.array([[v.encode("utf-8") if isinstance(v, str) else v for v in values]], dtype=object)
+        else:
+            array = np.array([values], dtype=np_type)
+        tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+@dataclass
+class StreamResult:
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str | None = None
+    responses: list = field(default_factory=list)  # the raw InferResult objects
+    first_piece_time: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def last(self, name: str):
+        return self.responses[-1].as_numpy(name)
+
+
+def run_stream_requests(url: str, requests: list[dict], num_streams: int = 1, timeout: float = 300.0,
+                        model: str = "ensemble") -> list[StreamResult]:
+    """Send all requests at once (spread over `num_streams` gRPC streams) and wait for every
+    final response or error. Results come back in request order."""
+    results = [StreamResult() for _ in requests]
+    done = threading.Semaphore(0)
+    clients = []
+    open_requests: list[set[int]] = [set() for _ in range(num_streams)]
+    lock = threading.Lock()
+    for stream_index in range(num_streams):
+        client = grpcclient.InferenceServerClient(url)
+
+        def callback(result=None, error=None, _stream=stream_index):
+            if error is not None:
+                # tritonclient drops the request id of an error response: attribute it to
+                # the stream's only open request (send error-prone requests one per stream).
+                with lock:
+                    if len(open_requests[_stream]) != 1:
+                        raise RuntimeError(f"cannot attribute a stream error: {error}")
+                    index = open_requests[_stream].pop()
+                results[index].error = str(error)
+                done.release()
+                return
+            response = result.get_response()
+            index = int(response.id)
+            item = results[index]
+            item.responses.append(result)
+            text = result.as_numpy("text_output")
+            if text is not None:
+                item.pieces.append(text.reshape(-1)[0].decode("utf-8"))
+                if item.first_piece_time is None:
+                    item.first_piece_time = time.monotonic()
+            reason = result.as_numpy("finish_reason")
+            if reason is not None and reason.reshape(-1)[0]:
+                item.finish_reason = reason.reshape(-1)[0].decode()
+            if response.parameters["triton_final_response"].bool_param:
+                with lock:
+                    open_requests[_stream].discard(index)
+                done.release()
+
+        client.start_stream(callback=callback)
+        clients.append(client)
+    try:
+        for index, request in enumerate(requests):
+            with lock:
+                open_requests[index % num_streams].add(index)
+            clients[index % num_streams].async_stream_infer(
+                model, make_inputs(request), request_id=str(index), enable_empty_final_response=True
+            )
+        deadline = time.monotonic() + timeout
+        for _ in requests:
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"not every request finished within {timeout} s")
+    finally:
+        for client in clients:
+            client.stop_stream()
+            client.close()
+    return results
+
+
+def run_one(url: str, request: dict, timeout: float = 120.0) -> StreamResult:
+    return run_stream_requests(url, [request], timeout=timeout)[0]
+
+
+def scrape_metrics(metrics_url: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} for the inflightllm_* series."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("inflightllm_"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def metric(values: dict[str, float], name: str, **labels) -> float:
+    """The value of one series; labels given must all match (others ignored)."""
+    for key, value in values.items():
+        series, _, label_text = key.partition("{")
+        if series != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return value
+    raise KeyError(f"no series {name} with {labels}")
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+__all__ = [
+    "StreamResult",
+    "make_inputs",
+    "metric",
+    "queue",
+    "run_one",
+    "run_stream_requests",
+    "scrape_metrics",
+    "wait_for",
+]

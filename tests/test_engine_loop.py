@@ -1,0 +1,234 @@
+"""EngineLoop with the real SmolLM2 engine and a recording sink: response order and the
+final flag, errors for invalid requests, client cancellation, stop(), and recovery from
+an exception inside a step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.model_source import DEFAULT_MODEL
+from inflightllm.sampling_params import InvalidRequestError
+from inflightllm.serving.engine_io import EngineRequest, parse_engine_request
+from inflightllm.serving.engine_loop import EngineLoop
+
+pytestmark = pytest.mark.slow
+
+FOX = [504, 2365, 6354, 16438]  # "The quick brown fox"
+FOX_GREEDY = [351, 253, 2365, 6354, 7012, 30]  # " with a quick brown bear."
+WAIT_S = 120.0
+
+
+class RecordingSink:
+    """Records what the loop sends; `cancel_after` responses later it reports cancelled."""
+
+    def __init__(self, cancel_after: int | None = None, cancel_raises: bool = False):
+        self.events: list[tuple] = []  # ("response", tensors, final) or ("error", message)
+        self.done = threading.Event()  # set by a final response or an error
+        self.first = threading.Event()
+        self.cancel_after = cancel_after
+        self.cancel_raises = cancel_raises
+
+    @property
+    def responses(self) -> list[tuple[dict[str, torch.Tensor], bool]]:
+        return [(event[1], event[2]) for event in self.events if event[0] == "response"]
+
+    @property
+    def errors(self) -> list[str]:
+        return [event[1] for event in self.events if event[0] == "error"]
+
+    def send(self, tensors, final):
+        self.events.append(("response", tensors, final))
+        self.first.set()
+        if final:
+            self.done.set()
+
+    def send_error(self, message):
+        self.events.append(("error", message))
+        self.done.set()
+
+    def is_cancelled(self):
+        if self.cancel_after is None or len(self.responses) < self.cancel_after:
+            return False
+        if self.cancel_raises:
+            raise ConnectionError("client went away")
+        return True
+
+    def wait(self) -> None:
+        """Wait for the final response or the error; check it is the one and last event."""
+        assert self.done.wait(WAIT_S), f"no final response; got {self.events}"
+        self.check_terminated_once()
+
+    def check_terminated_once(self) -> None:
+        terminal = [event[0] == "error" or event[2] for event in self.events]
+        assert terminal and terminal[-1] and terminal.count(True) == 1, self.events
+
+
+def engine_request(prompt: list[int], max_tokens: int, streaming: bool = True, **overrides) -> EngineRequest:
+    """The engine model's input tensors for one request, parsed as Triton's execute does."""
+    inputs = {
+        "input_ids": torch.tensor([prompt], dtype=torch.int32).reshape(1, len(prompt)),
+        "input_length": [len(prompt)],
+        "max_tokens": [max_tokens],
+        "min_tokens": [0],
+        "streaming": [streaming],
+        "temperature": [0.0],
+        "top_p": [1.0],
+        "min_p": [0.0],
+        "repetition_penalty": [1.0],
+        "presence_penalty": [0.0],
+        "frequency_penalty": [0.0],
+        "top_k": [0],
+        "seed": [-1],
+        "end_id": [-1],
+        "ignore_eos": [False],
+        "stop_words": torch.zeros((1, 0), dtype=torch.int32),
+        "bad_words": torch.zeros((1, 0), dtype=torch.int32),
+        "return_log_probs": [False],
+        "num_top_logprobs": [0],
+        "priority": [0],
+        "exclude_input_in_output": [True],
+    }
+    for name, value in overrides.items():
+        inputs[name] = [value]
+    tensors = {name: value if isinstance(value, torch.Tensor) else torch.tensor([value]) for name, value in
+               inputs.items()}
+    return parse_engine_request(tensors)
+
+
+def ids(tensors) -> list[int]:
+    return tensors["output_ids"].reshape(-1).tolist()
+
+
+def scalar(tensors, name: str):
+    return tensors[name].reshape(-1)[0].item()
+
+
+@pytest.fixture
+def engine(smollm2_loaded) -> Engine:
+    return Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=64, block_size=16), sampler_seed=0, loaded=smollm2_loaded)
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(engine, idle_wait_s=0.05).start()
+    yield loop
+    loop.stop()
+
+
+def test_responses_arrive_in_order_with_the_final_flag_last(loop, engine):
+    steps = []
+    loop.on_step = lambda stats, outputs: steps.append((stats.num_running, [o.request_id for o in outputs]))
+    streaming, whole = RecordingSink(), RecordingSink()
+    loop.submit(engine_request(FOX, 4, streaming=True), streaming)
+    loop.submit(engine_request(FOX, 3, streaming=False, exclude_input_in_output=False), whole)
+    streaming.wait()
+    whole.wait()
+
+    assert streaming.errors == [] and whole.errors == []
+    responses = streaming.responses
+    assert [ids(t) for t, _ in responses] == [[t] for t in FOX_GREEDY[:4]]
+    assert [final for _, final in responses] == [False, False, False, True]
+    assert [scalar(t, "finish_reason") for t, _ in responses] == [0, 0, 0, 2]
+    assert [scalar(t, "num_output_tokens") for t, _ in responses] == [1, 2, 3, 4]
+    assert [t["context_ids"].reshape(-1).tolist() for t, _ in responses] == [
+        [], FOX_GREEDY[:1], FOX_GREEDY[:2], FOX_GREEDY[:3]
+    ]
+    # Non-streaming with the input echoed: one final response, prompt + output.
+    [(tensors, final)] = whole.responses
+    assert final and ids(tensors) == FOX + FOX_GREEDY[:3]
+    assert scalar(tensors, "finish_reason") == 2 and scalar(tensors, "num_output_tokens") == 3
+    assert engine.stats().num_blocks_used == 0
+    assert loop.num_active == 0
+    assert steps and all(isinstance(running, int) for running, _ in steps)
+
+
+def test_an_invalid_request_gets_exactly_one_error(loop, engine):
+    bad_prompt, too_long, good = RecordingSink(), RecordingSink(), RecordingSink()
+    loop.submit(engine_request([], 4), bad_prompt)
+    loop.submit(engine_request(FOX, 5000), too_long)
+    loop.submit(engine_request(FOX, 2), good)
+    for sink in (bad_prompt, too_long, good):
+        sink.wait()
+    assert bad_prompt.events == [("error", "input_ids: the prompt is empty; at least 1 token is required")]
+    assert too_long.events == [("error", "max_tokens: 5000 is out of range; allowed: 1 to 1024")]
+    assert [ids(t) for t, _ in good.responses] == [[351], [253]]
+    assert good.errors == []
+    # loop.validate (Triton's execute thread) refuses the same request up front.
+    with pytest.raises(InvalidRequestError, match="^max_tokens: 5000 is out of range"):
+        loop.validate(engine_request(FOX, 5000))
+
+
+@pytest.mark.parametrize("cancel_raises", [False, True], ids=["cancelled", "is_cancelled-raises"])
+def test_a_cancelled_request_gets_a_final_cancelled_response_and_frees_its_blocks(loop, engine, cancel_raises):
+    sink = RecordingSink(cancel_after=2, cancel_raises=cancel_raises)
+    loop.submit(engine_request(FOX, 500), sink)
+    sink.wait()
+    assert sink.errors == []
+    responses = sink.responses
+    assert [(ids(t), final, scalar(t, "finish_reason")) for t, final in responses] == [
+        ([351], False, 0),
+        ([253], False, 0),
+        ([], True, 3),  # cancelled: everything generated was already sent
+    ]
+    assert scalar(responses[-1][0], "num_output_tokens") == 2
+    stats = engine.stats()
+    assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    assert loop.num_active == 0
+
+
+def test_stop_cancels_requests_in_flight_and_joins_the_thread(engine):
+    loop = EngineLoop(engine, idle_wait_s=0.05).start()
+    running, queued = RecordingSink(), RecordingSink()
+    loop.submit(engine_request(FOX, 500), running)
+    assert running.first.wait(WAIT_S)
+    loop.submit(engine_request(FOX, 500, streaming=False), queued)
+    loop.stop()
+    assert not loop._thread.is_alive()
+
+    for sink in (running, queued):
+        assert sink.done.is_set() and sink.errors == []
+        sink.check_terminated_once()
+        *partial, (last, final) = sink.responses
+        assert final and scalar(last, "finish_reason") == 3
+        assert all(not flag for _, flag in partial)
+    assert [ids(t) for t, _ in running.responses][0] == [351]
+    assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished()
+
+    late = RecordingSink()
+    loop.submit(engine_request(FOX, 2), late)
+    assert late.events == [("error", "the engine is shutting down; request not accepted")]
+
+
+def test_an_exception_in_a_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(loop, engine,
+                                                                                        monkeypatch):
+    execute = engine.runner.execute
+    calls = []
+
+    def fail_once(scheduled):
+        calls.append(len(scheduled.scheduled))
+        if len(calls) == 1:
+            raise RuntimeError("boom in the model runner")
+        return execute(scheduled)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    first, second = RecordingSink(), RecordingSink()
+    with loop._wakeup:  # both arrive in the same loop iteration, so both are in the failing step
+        loop.submit(engine_request(FOX, 3), first)
+        loop.submit(engine_request(FOX, 3, streaming=False), second)
+    first.wait()
+    second.wait()
+    for sink in (first, second):
+        assert sink.events == [("error", "engine step failed: RuntimeError: boom in the model runner")]
+    assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished()
+
+    after = RecordingSink()
+    loop.submit(engine_request(FOX, 3), after)
+    after.wait()
+    assert after.errors == []
+    assert [(ids(t), final) for t, final in after.responses] == [([351], False), ([253], False), ([2365], True)]
+    assert calls[0] == 2  # the failed step held both requests
