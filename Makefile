@@ -40,10 +40,10 @@ render-configs: install
 check-configs: install
 	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) --check
 
-serve: install prepare-model
+serve: install
 	$(PY) tools/serve.py --profile $(PROFILE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-demo: install prepare-model
+demo: install
 	$(PY) tools/demo.py --profile $(PROFILE)
 
 test: install
@@ -55,7 +55,7 @@ test-fast: install
 lint: install
 	$(PY) -m ruff check inflightllm tools tests perf model_repo
 
-bench: install prepare-model
+bench: install
 	$(PY) perf/bench_engine.py
 
 clean:

@@ -1,8 +1,8 @@
 """`preprocessing` and `postprocessing` in a real tritonserver, over gRPC.
 
-The repository holds only these two models: config.pbtxt from the rendered `model_repo/`
-when it is there (else a minimal one written here from docs/INTERFACE.md), model.py from
-`templates/models/`. One server serves the whole module.
+Both run in the shared `model_repo_server` (the committed `model_repo/`), called directly
+with non-streaming `infer` (they are not decoupled). Input types and output names come
+from the server's model metadata, i.e. from the rendered configs (docs/INTERFACE.md).
 """
 
 from __future__ import annotations
@@ -10,165 +10,40 @@ from __future__ import annotations
 import json
 import queue
 import random
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from inflightllm.detokenizer import CONTEXT_WINDOW
-from inflightllm.model_source import DEFAULT_TOKENIZER
 
 pytestmark = pytest.mark.server
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 IM_END = 2
 
-# name, Triton type, dims, optional — docs/INTERFACE.md "Ensemble inputs".
-PREPROCESSING_INPUTS = [
-    ("text_input", "STRING", [1], True),
-    ("messages", "STRING", [1], True),
-    ("max_tokens", "INT32", [1], False),
-    ("stream", "BOOL", [1], True),
-    ("temperature", "FP32", [1], True),
-    ("top_k", "INT32", [1], True),
-    ("top_p", "FP32", [1], True),
-    ("min_p", "FP32", [1], True),
-    ("repetition_penalty", "FP32", [1], True),
-    ("presence_penalty", "FP32", [1], True),
-    ("frequency_penalty", "FP32", [1], True),
-    ("min_tokens", "INT32", [1], True),
-    ("seed", "UINT64", [1], True),
-    ("stop_words", "STRING", [-1], True),
-    ("bad_words", "STRING", [-1], True),
-    ("end_id", "INT32", [1], True),
-    ("pad_id", "INT32", [1], True),
-    ("exclude_input_in_output", "BOOL", [1], True),
-    ("return_log_probs", "BOOL", [1], True),
-    ("num_top_logprobs", "INT32", [1], True),
-    ("priority", "INT32", [1], True),
-    ("sampling_parameters", "STRING", [1], True),
-    ("return_finish_reason", "BOOL", [1], True),
-    ("return_num_input_tokens", "BOOL", [1], True),
-    ("return_num_output_tokens", "BOOL", [1], True),
-]
-# "preprocessing -> engine".
-PREPROCESSING_OUTPUTS = [
-    ("input_ids", "INT32", [-1]),
-    ("input_length", "INT32", [1]),
-    ("max_tokens", "INT32", [1]),
-    ("min_tokens", "INT32", [1]),
-    ("streaming", "BOOL", [1]),
-    ("temperature", "FP32", [1]),
-    ("top_p", "FP32", [1]),
-    ("min_p", "FP32", [1]),
-    ("repetition_penalty", "FP32", [1]),
-    ("presence_penalty", "FP32", [1]),
-    ("frequency_penalty", "FP32", [1]),
-    ("top_k", "INT32", [1]),
-    ("seed", "INT64", [1]),
-    ("end_id", "INT32", [1]),
-    ("ignore_eos", "BOOL", [1]),
-    ("stop_words", "INT32", [-1]),
-    ("bad_words", "INT32", [-1]),
-    ("return_log_probs", "BOOL", [1]),
-    ("num_top_logprobs", "INT32", [1]),
-    ("priority", "INT32", [1]),
-    ("exclude_input_in_output", "BOOL", [1]),
-]
-# "engine -> postprocessing".
-POSTPROCESSING_INPUTS = [
-    ("output_ids", "INT32", [-1], False),
-    ("context_ids", "INT32", [-1], False),
-    ("finish_reason", "INT32", [1], False),
-    ("num_input_tokens", "INT32", [1], False),
-    ("num_output_tokens", "INT32", [1], False),
-    ("num_cached_tokens", "INT32", [1], False),
-    ("cum_log_probs", "FP32", [1], False),
-    ("output_log_probs", "FP32", [-1], False),
-    ("top_logprob_ids", "INT32", [-1, -1], False),
-    ("top_logprobs", "FP32", [-1, -1], False),
-]
-# "Ensemble outputs".
-POSTPROCESSING_OUTPUTS = [
-    ("text_output", "STRING", [1]),
-    ("finish_reason", "STRING", [1]),
-    ("num_input_tokens", "INT32", [1]),
-    ("num_output_tokens", "INT32", [1]),
-    ("num_cached_tokens", "INT32", [1]),
-    ("output_ids", "INT32", [-1]),
-    ("cum_log_probs", "FP32", [1]),
-    ("output_log_probs", "FP32", [-1]),
-    ("top_logprob_ids", "INT32", [-1, -1]),
-    ("top_logprobs", "FP32", [-1, -1]),
-]
-LIMIT_PARAMETERS = {"max_input_length": "2048", "max_output_len": "1024", "max_model_len": "8192", "priority_levels": "3"}
-
-
-def _tensor_block(kind: str, tensors) -> str:
-    entries = []
-    for name, data_type, dims, *optional in tensors:
-        extra = "\n    optional: true" if optional and optional[0] else ""
-        entries.append(
-            f'  {{\n    name: "{name}"\n    data_type: TYPE_{data_type}\n    dims: [ {", ".join(map(str, dims))} ]{extra}\n  }}'
-        )
-    return f"{kind} [\n" + ",\n".join(entries) + "\n]\n"
-
-
-def minimal_config(name: str, inputs, outputs, parameters: dict[str, str], preserve_ordering: bool) -> str:
-    """A config.pbtxt for a Python model (used when no rendered one exists)."""
-    batching = "  preserve_ordering: true\n" if preserve_ordering else ""
-    params = "".join(
-        f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
-        for key, value in sorted(parameters.items())
-    )
-    return (
-        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 64\n'
-        + _tensor_block("input", inputs)
-        + _tensor_block("output", outputs)
-        + f"dynamic_batching {{\n  max_queue_delay_microseconds: 2000\n{batching}}}\n"
-        + "instance_group [ { count: 2\n kind: KIND_CPU } ]\n"
-        + params
-    )
-
 
 @pytest.fixture(scope="module")
-def tokenizer_repository(tmp_path_factory) -> Path:
-    repository = tmp_path_factory.mktemp("tokenizer_repo")
-    model_params = DEFAULT_TOKENIZER.to_parameters()
-    fallbacks = {
-        "preprocessing": minimal_config(
-            "preprocessing", PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS, {**model_params, **LIMIT_PARAMETERS}, False
-        ),
-        "postprocessing": minimal_config(
-            "postprocessing", POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS, model_params, True
-        ),
-    }
-    for name, fallback in fallbacks.items():
-        (repository / name / "1").mkdir(parents=True)
-        rendered = REPO_ROOT / "model_repo" / name / "config.pbtxt"
-        config = rendered.read_text() if rendered.is_file() else fallback
-        (repository / name / "config.pbtxt").write_text(config)
-        shutil.copy(REPO_ROOT / "templates" / "models" / f"{name}.py", repository / name / "1" / "model.py")
-    return repository
-
-
-@pytest.fixture(scope="module")
-def server(triton_server_factory, tokenizer_repository):
-    return triton_server_factory(tokenizer_repository)
-
-
-@pytest.fixture(scope="module")
-def client(server):
+def client(model_repo_server):
     import tritonclient.grpc as grpcclient
 
-    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
+    with grpcclient.InferenceServerClient(model_repo_server.grpc_url) as grpc_client:
         yield grpc_client
+
+
+@pytest.fixture(scope="module")
+def preprocessing_metadata(client) -> dict:
+    """`{"inputs": {name: datatype}, "outputs": [names]}` of the served preprocessing model."""
+    metadata = client.get_model_metadata("preprocessing", as_json=True)
+    return {
+        "inputs": {tensor["name"]: tensor["datatype"] for tensor in metadata["inputs"]},
+        "outputs": [tensor["name"] for tensor in metadata["outputs"]],
+    }
 
 
 # ---------------------------------------------------------------- request helpers
 
-_NUMPY_TYPES = {"BYTES": object, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+_NUMPY_TYPES = {
+    "BYTES": object, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32
+}
 
 
 def infer_input(name: str, datatype: str, values):
@@ -184,14 +59,12 @@ def infer_input(name: str, datatype: str, values):
     return tensor
 
 
-def preprocessing_inputs(prompt: str | None = None, max_tokens: int = 16, **extra):
+def preprocessing_inputs(metadata: dict, prompt: str | None = None, max_tokens: int = 16, **extra):
     inputs = [infer_input("max_tokens", "INT32", max_tokens)]
     if prompt is not None:
         inputs.append(infer_input("text_input", "BYTES", prompt))
-    types = dict((name, dtype) for name, dtype, _dims, _optional in PREPROCESSING_INPUTS)
     for name, value in extra.items():
-        datatype = {"STRING": "BYTES"}.get(types[name], types[name])
-        inputs.append(infer_input(name, datatype, value))
+        inputs.append(infer_input(name, metadata["inputs"][name], value))
     return inputs
 
 
@@ -211,9 +84,10 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_preprocessing_input_ids_equal_transformers(client, smollm2_tokenizer, prompt):
-    result = client.infer("preprocessing", preprocessing_inputs(prompt, max_tokens=7))
-    out = outputs_of(result, [name for name, _type, _dims in PREPROCESSING_OUTPUTS])
+def test_preprocessing_input_ids_equal_transformers(client, preprocessing_metadata, smollm2_tokenizer, prompt):
+    result = client.infer("preprocessing", preprocessing_inputs(preprocessing_metadata, prompt, max_tokens=7))
+    out = outputs_of(result, preprocessing_metadata["outputs"])
+    assert all(array is not None for array in out.values()), out  # every output, defaults filled in
     expected_ids = smollm2_tokenizer(prompt)["input_ids"]
     assert out["input_ids"].dtype == np.int32
     assert out["input_ids"].tolist() == [expected_ids]
@@ -226,10 +100,10 @@ def test_preprocessing_input_ids_equal_transformers(client, smollm2_tokenizer, p
     assert out["bad_words"].tolist() == [[0]]
 
 
-def test_preprocessing_chat_form(client, smollm2_tokenizer):
+def test_preprocessing_chat_form(client, preprocessing_metadata, smollm2_tokenizer):
     messages = [{"role": "user", "content": "Bonjour 😀, 你好?"}]
     result = client.infer(
-        "preprocessing", preprocessing_inputs(max_tokens=5, messages=json.dumps(messages, ensure_ascii=False))
+        "preprocessing", preprocessing_inputs(preprocessing_metadata, max_tokens=5, messages=json.dumps(messages, ensure_ascii=False))
     )
     expected = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
@@ -237,10 +111,11 @@ def test_preprocessing_chat_form(client, smollm2_tokenizer):
     assert expected[-3:] == [520, 9531, 198]  # "assistant\n" of the generation prompt
 
 
-def test_preprocessing_words_and_sampling_parameters(client):
+def test_preprocessing_words_and_sampling_parameters(client, preprocessing_metadata):
     result = client.infer(
         "preprocessing",
         preprocessing_inputs(
+            preprocessing_metadata,
             "Hello world",
             stop_words=["Paris", ""],
             seed=2**64 - 1,
@@ -259,14 +134,14 @@ def test_preprocessing_words_and_sampling_parameters(client):
     assert (out["return_log_probs"].tolist(), out["num_top_logprobs"].tolist()) == ([[True]], [[3]])
 
 
-def test_bad_request_fails_alone_while_concurrent_good_ones_succeed(client, smollm2_tokenizer):
+def test_bad_request_fails_alone_while_concurrent_good_ones_succeed(client, preprocessing_metadata, smollm2_tokenizer):
     from tritonclient.utils import InferenceServerException
 
     results: queue.Queue = queue.Queue()
     kinds = ["good", "bad"] * 6
     for index, kind in enumerate(kinds):
         temperature = 0.5 if kind == "good" else -0.5
-        inputs = preprocessing_inputs(f"request {index} 😀", temperature=temperature)
+        inputs = preprocessing_inputs(preprocessing_metadata, f"request {index} 😀", temperature=temperature)
         client.async_infer(
             "preprocessing", inputs, callback=lambda result, error, i=index: results.put((i, result, error))
         )
@@ -284,14 +159,14 @@ def test_bad_request_fails_alone_while_concurrent_good_ones_succeed(client, smol
             assert error.status() == "StatusCode.INVALID_ARGUMENT"
 
 
-def test_preprocessing_error_messages_reach_the_client(client):
+def test_preprocessing_error_messages_reach_the_client(client, preprocessing_metadata):
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as info:
-        client.infer("preprocessing", preprocessing_inputs("Hi", sampling_parameters='{"temprature": 1}'))
+        client.infer("preprocessing", preprocessing_inputs(preprocessing_metadata, "Hi", sampling_parameters='{"temprature": 1}'))
     assert info.value.message().startswith("sampling_parameters: unknown key 'temprature'; allowed keys: temperature, ")
     with pytest.raises(InferenceServerException) as info:
-        client.infer("preprocessing", preprocessing_inputs("Hi", max_tokens=5000))
+        client.infer("preprocessing", preprocessing_inputs(preprocessing_metadata, "Hi", max_tokens=5000))
     assert info.value.message() == (
         "input 'max_tokens': 5000 is out of range; allowed: 1 to 1024 (the profile's max_output_len)"
     )
@@ -312,6 +187,7 @@ def postprocessing_inputs(output_ids, context_ids, finish_reason, num_output_tok
     import tritonclient.grpc as grpcclient
 
     tensors = [
+        infer_input("request_handle", "INT64", 12345),  # the engine's id; used only to relay cancellations
         infer_input("output_ids", "INT32", list(output_ids)),
         infer_input("context_ids", "INT32", list(context_ids)),
         infer_input("finish_reason", "INT32", finish_reason),

@@ -11,6 +11,8 @@ lays them out as a server folder that `tritonserver --backend-directory` accepts
       lib/            every shared library of nvidia_pytriton.libs, plus the
                       unhashed names perf_analyzer asks for (libb64.so.0d,
                       libcudart.so.12)
+    build/bin/perf_analyzer   (next to the server folder) a bash wrapper that puts
+                      that lib/ on LD_LIBRARY_PATH and runs this venv's perf_analyzer
 
 `--copy` copies the libraries instead of linking them (for an offline bundle that
 must not point back into a virtual environment).
@@ -77,6 +79,7 @@ def build(out_dir: Path, copy: bool = False) -> Path:
         "stub_size": stub.stat().st_size,
     }
     if stamp.exists() and json.loads(stamp.read_text()) == info and (out_dir / "bin" / "tritonserver").exists():
+        write_perf_analyzer_wrapper(out_dir)  # refreshed even when the folder is current
         return out_dir
 
     if out_dir.exists():
@@ -103,7 +106,39 @@ def build(out_dir: Path, copy: bool = False) -> Path:
         _place(matches[0], out_dir / "lib" / alias, copy)
 
     stamp.write_text(json.dumps(info, indent=2) + "\n")
+    write_perf_analyzer_wrapper(out_dir)
     return out_dir
+
+
+def perf_analyzer_wrapper_text(server_dir: Path, wrapper_dir: Path, perf_analyzer: Path) -> str:
+    """The wrapper script: the server folder's lib/ is found relative to the script."""
+    lib_dir = os.path.relpath(Path(server_dir).absolute() / "lib", Path(wrapper_dir).absolute())
+    return (
+        "#!/usr/bin/env bash\n"
+        "# Written by tools/build_server.py. perf_analyzer (tritonclient 2.51) links libb64.so.0d and\n"
+        "# libcudart.so.12 (even without a GPU); the server folder's lib/ has both.\n"
+        'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+        f'export LD_LIBRARY_PATH="$here/{lib_dir}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\n'
+        f'exec "{perf_analyzer}" "$@"\n'
+    )
+
+
+def write_perf_analyzer_wrapper(server_dir: Path, wrapper_dir: Path | None = None) -> Path | None:
+    """Write `<server_dir>/../bin/perf_analyzer` (only when its content changes); returns its
+    path, or None when this venv has no perf_analyzer (tritonclient without the binary)."""
+    wrapper_dir = Path(server_dir).parent / "bin" if wrapper_dir is None else Path(wrapper_dir)
+    # Not resolved: the venv's bin/ is the right folder even when python is a symlink.
+    perf_analyzer = Path(sys.executable).absolute().parent / "perf_analyzer"
+    if not perf_analyzer.exists():
+        print(f"build_server: {perf_analyzer} is missing; no perf_analyzer wrapper written", file=sys.stderr)
+        return None
+    wrapper = wrapper_dir / "perf_analyzer"
+    text = perf_analyzer_wrapper_text(server_dir, wrapper_dir, perf_analyzer)
+    wrapper_dir.mkdir(parents=True, exist_ok=True)
+    if not wrapper.is_file() or wrapper.read_text() != text:
+        wrapper.write_text(text)
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,7 +73,7 @@ def server_environment(server_dir: Path = DEFAULT_SERVER_DIR, base: dict | None 
     return env
 
 
-_FAILED_MODEL = re.compile(r"failed to load '([^']+)'[^:]*: (.*)")
+_FAILED_MODEL = re.compile(r"failed to load '([^']+)'[^:]*: (.*?)\"?$")
 _POLL_FAILED = re.compile(r"Poll failed for model directory '([^']+)': (.*?)\"?$")
 _UNAVAILABLE = re.compile(r"\|\s*(\S+)\s*\|\s*\d+\s*\|\s*UNAVAILABLE: (.*)\|")
 

@@ -1,0 +1,141 @@
+"""Triton's HTTP `generate` and `generate_stream` endpoints on the ensemble (urllib only).
+
+What the endpoints need (docs/CLIENTS.md): a JSON object whose keys are input names and
+whose values are scalars (a list for `stop_words`/`bad_words`); `max_tokens` is required.
+`generate` accepts exactly one response, so it needs `stream` false (the default) and,
+for a completion without the prompt in front, `exclude_input_in_output: true`.
+`generate_stream` answers with server-sent events (`data: {...}` lines), one per piece.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from inflightllm.client import chat_messages, stream_generate
+
+pytestmark = pytest.mark.server
+
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."  # the greedy answer through the chat template
+STORY_PROMPT = "Once upon a time"
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, str, str]:
+    """POST JSON; returns (HTTP status, content type, body text), also for HTTP errors."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.headers.get("Content-Type", ""), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("Content-Type", ""), error.read().decode()
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON objects of the `data:` lines of a server-sent-events body."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data:"):
+            events.append(json.loads(line[len("data:"):]))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+@pytest.fixture(scope="module")
+def endpoint(model_repo_server) -> str:
+    return f"http://{model_repo_server.http_url}/v2/models/ensemble"
+
+
+def chat_body(**extra) -> dict:
+    return {"messages": json.dumps(chat_messages(QUESTION)), "max_tokens": 32, **extra}
+
+
+def test_generate_returns_the_greedy_text(endpoint, model_repo_server):
+    status, content_type, body = post(f"{endpoint}/generate", chat_body(stream=False, exclude_input_in_output=True))
+    assert status == 200 and content_type == "application/json", body
+    answer = json.loads(body)
+    assert answer["text_output"] == ANSWER
+    assert (answer["finish_reason"], answer["num_output_tokens"], answer["num_input_tokens"]) == ("stop", 7, 37)
+    assert answer["model_name"] == "ensemble"
+    # The same as over gRPC.
+    grpc_text = stream_generate(model_repo_server.grpc_url, messages=chat_messages(QUESTION), max_tokens=32).text
+    assert answer["text_output"] == grpc_text
+    # `stream` defaults to false, so it may be left out.
+    _, _, body = post(f"{endpoint}/generate", chat_body(exclude_input_in_output=True))
+    assert json.loads(body)["text_output"] == ANSWER
+
+
+def test_generate_echoes_the_prompt_unless_excluded(endpoint):
+    _, _, body = post(f"{endpoint}/generate", {"text_input": STORY_PROMPT, "max_tokens": 8, "exclude_input_in_output": True})
+    completion = json.loads(body)
+    assert completion["finish_reason"] == "length" and completion["num_output_tokens"] == 8
+    assert completion["text_output"].strip()
+    _, _, body = post(f"{endpoint}/generate", {"text_input": STORY_PROMPT, "max_tokens": 8})
+    echoed = json.loads(body)
+    assert echoed["text_output"] == STORY_PROMPT + completion["text_output"]
+    assert echoed["num_output_tokens"] == 8  # the echoed prompt is not counted
+
+
+def test_generate_stream_pieces_concatenate_to_the_same_text(endpoint):
+    status, content_type, body = post(f"{endpoint}/generate_stream", chat_body(stream=True))
+    assert status == 200 and content_type.startswith("text/event-stream"), body
+    events = sse_events(body)
+    pieces = [event["text_output"] for event in events]
+    assert pieces == ["The", " capital", " of", " France", " is", " Paris", ".", ""]
+    assert "".join(pieces) == ANSWER
+    assert [event["finish_reason"] for event in events] == [""] * 7 + ["stop"]
+    assert [event["num_output_tokens"] for event in events] == [1, 2, 3, 4, 5, 6, 7, 7]
+
+
+def test_generate_stream_with_stream_false_sends_one_event(endpoint):
+    _, _, body = post(f"{endpoint}/generate_stream", chat_body(stream=False, exclude_input_in_output=True))
+    events = sse_events(body)
+    assert [(event["text_output"], event["finish_reason"]) for event in events] == [(ANSWER, "stop")]
+
+
+def test_generate_refuses_more_than_one_response(endpoint):
+    # stream=true makes the decoupled engine send one response per token; `generate`
+    # cannot return that (Triton 2.51 answers with HTTP 200 and an error body).
+    _, _, body = post(f"{endpoint}/generate", chat_body(stream=True))
+    assert json.loads(body) == {
+        "error": "generate expects model to produce exactly 1 response, use generate stream for model"
+        " that generates various number of responses"
+    }
+
+
+def test_bad_input_is_an_http_error_naming_the_input(endpoint):
+    status, content_type, body = post(f"{endpoint}/generate", chat_body(temperature=-1))
+    assert status == 400 and content_type == "application/json"
+    assert json.loads(body) == {
+        "error": "in ensemble 'ensemble', input 'temperature': -1.0 is out of range; allowed: 0 to 100 (0 = greedy)"
+    }
+    status, content_type, body = post(f"{endpoint}/generate_stream", chat_body(stream=True, max_tokens=5000))
+    assert status == 400 and content_type.startswith("text/event-stream")
+    [event] = sse_events(body)
+    assert event["error"].startswith("in ensemble 'ensemble', input 'max_tokens': 5000 is out of range")
+
+
+def test_stop_words_as_a_json_list(endpoint):
+    _, _, body = post(
+        f"{endpoint}/generate", chat_body(stop_words=["Paris", "Rome"], exclude_input_in_output=True)
+    )
+    answer = json.loads(body)
+    assert (answer["text_output"], answer["finish_reason"]) == ("The capital of France is", "stop")
+
+
+def test_sampling_parameters_is_a_json_string(endpoint):
+    # BYTES inputs take JSON strings; a nested JSON object is refused by Triton's parser.
+    params = {"temperature": 0, "stop": ["Paris"]}
+    _, _, body = post(
+        f"{endpoint}/generate", chat_body(sampling_parameters=json.dumps(params), exclude_input_in_output=True)
+    )
+    assert json.loads(body)["text_output"] == "The capital of France is"
+    status, _, body = post(f"{endpoint}/generate", chat_body(sampling_parameters=params))
+    assert status == 500
+    assert json.loads(body) == {"error": "Unable to parse JSON bytes array: attempt to access JSON non-string as string"}

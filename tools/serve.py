@@ -1,0 +1,66 @@
+"""`make serve`: serve a profile with a real tritonserver in the foreground.
+
+The default profile serves the committed `model_repo/`; any other profile is rendered
+into `build/model_repo-<profile name>/` first. The model is prepared (converted and
+cached) before the server starts, so the server's model load takes seconds.
+
+Usage: python tools/serve.py [--profile profiles/smollm2-cpu.yaml] [--http-port 8000 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from inflightllm.model_source import prepare  # noqa: E402
+from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # noqa: E402
+from tools import render_configs, server_launcher  # noqa: E402
+
+
+def repository_for(profile_path: Path) -> Path:
+    """The model repository to serve for a profile (rendering it when needed)."""
+    profile = load_profile(profile_path)
+    if Path(profile_path).resolve() == DEFAULT_PROFILE.resolve():
+        drift = render_configs.check(profile, REPO_ROOT / "model_repo")
+        if drift:
+            raise SystemExit(
+                "model_repo/ differs from a fresh render of the default profile; run "
+                "`make render-configs` (or revert your edit):\n" + "\n".join(drift)
+            )
+        return REPO_ROOT / "model_repo"
+    out = REPO_ROOT / "build" / f"model_repo-{profile.name}"
+    render_configs.render(profile, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        repository = repository_for(args.profile)
+        profile = load_profile(args.profile)
+    except ProfileError as error:
+        print(error, file=sys.stderr)
+        return 2
+    folder = prepare(profile.model)
+    print(f"model {profile.model.describe()} ready in {folder}", flush=True)
+    return server_launcher.main([
+        "--model-repository", str(repository),
+        "--http-port", str(args.http_port),
+        "--grpc-port", str(args.grpc_port),
+        "--metrics-port", str(args.metrics_port),
+        "--log-verbose", str(args.log_verbose),
+    ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
