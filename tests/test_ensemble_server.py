@@ -150,6 +150,14 @@ def test_cancelled_stream_frees_its_blocks(model_repo_server):
             if len(pieces) >= 3:
                 got_some.set()
 
+    def ensemble_completions() -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{model_repo_server.http_url}/v2/models/ensemble/stats") as response:
+            stats = json.load(response)["model_stats"][0]["inference_stats"]
+        return stats["success"]["count"] + stats["fail"]["count"]
+
+    completions_before = ensemble_completions()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=callback)
     # min_tokens keeps the model from stopping early: the request runs until cancelled.
@@ -172,6 +180,9 @@ def test_cancelled_stream_frees_its_blocks(model_repo_server):
 
     assert wait_for(freed, timeout=30), scrape_metrics(metrics_url)
     assert len(pieces) < 100  # stopped long before max_tokens
+    # The ensemble request is over too (an error response from postprocessing would
+    # leave it counted in flight, and server shutdown would wait its exit timeout).
+    assert wait_for(lambda: ensemble_completions() == completions_before + 1, timeout=10)
 
 
 def test_seeded_sampling_repeats(model_repo_server):
@@ -205,6 +216,7 @@ BAD_REQUESTS = [
     ({"text_input": "", "max_tokens": 8}, "text_input"),
     ({"text_input": "word " * 3000, "max_tokens": 8}, "text_input"),
     ({"text_input": "hi", "max_tokens": 8, "min_tokens": 20}, "min_tokens"),
+    ({"text_input": "hi"}, "max_tokens"),
 ]
 
 

@@ -271,7 +271,7 @@ def test_tensors_follow_the_interface_document(configs):
     to_postprocessing = interface_table("engine → postprocessing")
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
-    assert [row[0] for row in ensemble_inputs if not row[3]] == ["max_tokens"]
+    assert [row[0] for row in ensemble_inputs if not row[3]] == []  # preprocessing names what is missing
     assert len(ensemble_inputs) == 25 and len(ensemble_outputs) == 10
     assert len(to_engine) == 21 and len(to_postprocessing) == 11
 

@@ -65,12 +65,14 @@ def _t(name: str, data_type: str, dims: tuple[int, ...] = (1,), optional: bool =
     return Tensor(name, data_type, dims, optional)
 
 
-# docs/INTERFACE.md "Ensemble inputs". Only max_tokens is required: text_input can be
-# replaced by messages (preprocessing checks that one of them is given).
+# docs/INTERFACE.md "Ensemble inputs". All optional in the config: text_input can be
+# replaced by messages, max_tokens by the sampling_parameters key; preprocessing names
+# whichever is missing (a request Triton itself refuses for a missing input gets no
+# error response through a decoupled ensemble in 2.51).
 ENSEMBLE_INPUTS = (
     _t("text_input", "TYPE_STRING", optional=True),
     _t("messages", "TYPE_STRING", optional=True),
-    _t("max_tokens", "TYPE_INT32"),
+    _t("max_tokens", "TYPE_INT32", optional=True),
     _t("stream", "TYPE_BOOL", optional=True),
     _t("temperature", "TYPE_FP32", optional=True),
     _t("top_k", "TYPE_INT32", optional=True),

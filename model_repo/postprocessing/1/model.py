@@ -50,13 +50,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             if request.is_cancelled():
+                # Tell the engine, then answer normally: nobody reads this response, and an
+                # error response here makes Triton 2.51 count the ensemble request as in
+                # flight forever (server shutdown then waits its whole exit timeout).
                 self.relay_cancellation(request)
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                    )
-                )
-                continue
             try:
                 inputs = {}
                 for name in self.input_names:
