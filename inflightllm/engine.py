@@ -102,6 +102,11 @@ class Engine:
     ):
         self.model_spec = model_spec
         self.config = config
+        if config.device != "cpu":
+            # Checked before loading: a GPU shape would not fit in host memory anyway.
+            raise NotImplementedError(
+                f"device {config.device!r}: only the CPU backend exists so far (the CUDA backend comes next)"
+            )
         self.loaded = loaded if loaded is not None else load_model(model_spec, device="cpu")
         arch = self.loaded.arch
         dims = ModelDims.from_config(self.loaded.config)

@@ -12,26 +12,23 @@ Prints a table and saves it as JSON (perf/results/bench_engine-<date>.json).
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import platform
+import random
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from inflightllm.config import EngineConfig  # noqa: E402
-from inflightllm.engine import Engine  # noqa: E402
-from inflightllm.llm import LLM  # noqa: E402
-from inflightllm.model_source import DEFAULT_MODEL, load_tokenizer, prepare  # noqa: E402
-from inflightllm.models.loader import load_model  # noqa: E402
-from inflightllm.sampling_params import SamplingParams  # noqa: E402
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.llm import LLM
+from inflightllm.model_source import DEFAULT_MODEL, load_tokenizer, prepare
+from inflightllm.models.loader import load_model
+from inflightllm.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TOPICS = [

@@ -95,4 +95,3 @@ def test_server_environment_puts_this_python_first(tmp_path):
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
     libdirs = env["LD_LIBRARY_PATH"].split(":")
     assert libdirs == [sysconfig.get_config_var("LIBDIR"), str(tmp_path / "lib"), "/opt/lib"]
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -67,9 +67,6 @@ def server_environment(server_dir: Path = DEFAULT_SERVER_DIR, base: dict | None 
     # Tokenizers' thread pool does not survive the stub's fork model well; the models
     # run one tokenizer call at a time anyway.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Several model processes share the cores: OpenMP threads must sleep, not spin,
-    # while they wait (spinning made batched CPU steps 10-50x slower under load).
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

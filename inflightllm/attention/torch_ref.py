@@ -4,10 +4,11 @@ The cache of each layer is a flat tensor of slots, [num_blocks * block_size,
 num_kv_heads, head_dim] (a view of [num_blocks, block_size, ...]); a token's slot is
 `block_table[position // block_size] * block_size + position % block_size`.
 
-Attention runs per sequence over the K/V gathered from its blocks, with
-`scaled_dot_product_attention` called the way `transformers` calls it for a single
-unpadded sequence (causal for a whole prompt, no mask for one query), so greedy outputs
-match `transformers` on the same weights.
+Prefill chunks attend one sequence at a time over the K/V gathered from its blocks,
+with `scaled_dot_product_attention` called the way `transformers` calls it for a single
+unpadded sequence (causal for a whole prompt). Decodes (one query each) attend in one
+batched call over their contexts padded to the longest, padding masked out. Greedy
+outputs match `transformers` on the same weights (tests/test_exactness.py).
 """
 
 from __future__ import annotations
@@ -49,21 +50,43 @@ class TorchReferenceAttention(AttentionBackend):
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def build_metadata(self, sequences: list[SequenceSlice], device) -> AttentionMetadata:
-        slot_chunks, position_chunks, gathers, masks = [], [], [], []
-        for seq in sequences:
+        slot_chunks, position_chunks = [], []
+        singles, multis = [], []  # decode sequences (one query, whole context) / the rest
+        for index, seq in enumerate(sequences):
             table = torch.tensor(seq.block_table, dtype=torch.int64)
             first = seq.context_len - seq.query_len
             slot_chunks.append(self._slots(table, first, seq.context_len))
             position_chunks.append(torch.arange(first, seq.context_len, dtype=torch.int64))
-            gathers.append(self._slots(table, 0, seq.context_len).to(device))
-            masks.append(self._mask(seq))
+            mask = self._mask(seq)
+            gather = self._slots(table, 0, seq.context_len)
+            if mask is None:
+                singles.append((index, gather))
+            else:
+                multis.append((index, gather.to(device), mask))
         empty = torch.empty(0, dtype=torch.int64)
         return AttentionMetadata(
             sequences=sequences,
             slot_mapping=torch.cat(slot_chunks).to(device) if slot_chunks else empty,
             positions=torch.cat(position_chunks).to(device) if position_chunks else empty,
-            backend_data={"gathers": gathers, "masks": masks},
+            backend_data={"decode": self._decode_batch(sequences, singles, device), "others": multis},
         )
+
+    @staticmethod
+    def _decode_batch(sequences, singles, device):
+        """All one-query sequences attended in one call: their contexts gathered into a
+        padded [batch, longest] slot index, padding masked out."""
+        if not singles:
+            return None
+        longest = max(gather.shape[0] for _, gather in singles)
+        slots = torch.zeros(len(singles), longest, dtype=torch.int64)
+        valid = torch.zeros(len(singles), longest, dtype=torch.bool)
+        for row, (_, gather) in enumerate(singles):
+            slots[row, : gather.shape[0]] = gather
+            valid[row, : gather.shape[0]] = True
+        token_index = torch.tensor([sequences[i].query_start for i, _ in singles], dtype=torch.int64)
+        # All of one length: no mask at all (the same call as for a single sequence).
+        mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
+        return token_index.to(device), slots.to(device), mask
 
     def _mask(self, seq: SequenceSlice) -> torch.Tensor | None | str:
         """None: attend to everything (one query, no window); "causal": a whole prompt;
@@ -89,17 +112,25 @@ class TorchReferenceAttention(AttentionBackend):
         value_cache.index_copy_(0, metadata.slot_mapping, value)
 
         output = torch.empty_like(query)
-        gathers = metadata.backend_data["gathers"]
-        masks = metadata.backend_data["masks"]
-        for seq, gather, mask in zip(metadata.sequences, gathers, masks):
+        decode = metadata.backend_data["decode"]
+        if decode is not None:
+            token_index, slots, mask = decode
+            batch, longest = slots.shape
+            q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, head_dim]
+            flat = slots.reshape(-1)
+            # [batch, kv_heads, longest, head_dim]
+            k = key_cache.index_select(0, flat).view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = value_cache.index_select(0, flat).view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            output.index_copy_(0, token_index, attended.squeeze(2))
+        for index, gather, mask in metadata.backend_data["others"]:
+            seq = metadata.sequences[index]
             end = seq.query_start + seq.query_len
             # [1, heads, q, head_dim] and [1, kv_heads, ctx, head_dim]
             q = query[seq.query_start : end].transpose(0, 1).unsqueeze(0)
             k = key_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
             v = value_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
-            if mask is None:
-                attended = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
-            elif isinstance(mask, str):
+            if isinstance(mask, str):
                 attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
