@@ -46,7 +46,8 @@ serve: install
 demo: install
 	$(PY) tools/demo.py --profile $(PROFILE)
 
-test: install
+# The model is converted once before the tests, not inside the first server's model load.
+test: install prepare-model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-len", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8, help="running-batch cap (ours) and static batch size (all)")
+    parser.add_argument("--batch-sizes", default="8,32",
+                        help="comma-separated: for each, the running-batch cap (ours) and the static batch size")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -108,29 +109,36 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     prompts, lengths = make_workload(tokenizer, args.requests, args.min_len, args.max_len, args.seed)
     loaded = load_model(DEFAULT_MODEL)
-    rows = {}
-    rows["inflightllm in-flight"] = run_engine(loaded, prompts, lengths, "inflight", args.batch_size)
-    rows["inflightllm static"] = run_engine(loaded, prompts, lengths, "static", args.batch_size)
+    hf_model = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(prepare(DEFAULT_MODEL), dtype=torch.float32).eval()
-        rows[f"transformers generate (static batches of {args.batch_size})"] = run_transformers(
-            hf_model, tokenizer, prompts, lengths, args.batch_size
-        )
+    rows = {}
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        rows[f"inflightllm in-flight, batch cap {batch_size}"] = run_engine(
+            loaded, prompts, lengths, "inflight", batch_size)
+        rows[f"inflightllm static, batches of {batch_size}"] = run_engine(loaded, prompts, lengths, "static", batch_size)
+        if hf_model is not None:
+            rows[f"transformers generate, static batches of {batch_size}"] = run_transformers(
+                hf_model, tokenizer, prompts, lengths, batch_size)
     for row in rows.values():
         row["tokens_per_s"] = row["output_tokens"] / row["seconds"]
 
     print(f"\n{args.requests} requests, output lengths {args.min_len}-{args.max_len} "
           f"(sum {sum(lengths)}), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"SmolLM2-135M fp32, torch threads {torch.get_num_threads()}")
-    print(f"{'system':50s} {'seconds':>9s} {'tokens':>8s} {'tokens/s':>9s}")
+    print(f"{'system':50s} {'seconds':>9s} {'tokens':>8s} {'tokens/s':>9s} {'steps':>6s}")
     for name, row in rows.items():
-        print(f"{name:50s} {row['seconds']:9.1f} {row['output_tokens']:8d} {row['tokens_per_s']:9.1f}")
-    baseline = next((row for name, row in rows.items() if name.startswith("transformers")), None)
-    if baseline:
-        ratio = rows["inflightllm in-flight"]["tokens_per_s"] / baseline["tokens_per_s"]
-        print(f"in-flight / transformers = {ratio:.2f}x")
+        print(f"{name:50s} {row['seconds']:9.1f} {row['output_tokens']:8d} {row['tokens_per_s']:9.1f} "
+              f"{row.get('steps', ''):>6}")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for baseline_size in sizes:
+        baseline = rows.get(f"transformers generate, static batches of {baseline_size}")
+        for size in sizes if baseline else []:
+            ours = rows[f"inflightllm in-flight, batch cap {size}"]
+            print(f"in-flight (cap {size}) / transformers (batches of {baseline_size}) = "
+                  f"{ours['tokens_per_s'] / baseline['tokens_per_s']:.2f}x")
     record = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",

@@ -15,30 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-# Ensemble input name -> (Triton type, NumPy dtype).
+from tools.render_configs import ENSEMBLE_INPUTS
+
+_NUMPY_TYPES = {"BYTES": object, "BOOL": bool, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+# Ensemble input name -> (Triton type, NumPy dtype), from the renderer's table.
 INPUT_TYPES = {
-    "text_input": ("BYTES", object),
-    "messages": ("BYTES", object),
-    "max_tokens": ("INT32", np.int32),
-    "stream": ("BOOL", bool),
-    "temperature": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "top_p": ("FP32", np.float32),
-    "min_p": ("FP32", np.float32),
-    "repetition_penalty": ("FP32", np.float32),
-    "presence_penalty": ("FP32", np.float32),
-    "frequency_penalty": ("FP32", np.float32),
-    "min_tokens": ("INT32", np.int32),
-    "seed": ("UINT64", np.uint64),
-    "stop_words": ("BYTES", object),
-    "bad_words": ("BYTES", object),
-    "end_id": ("INT32", np.int32),
-    "pad_id": ("INT32", np.int32),
-    "exclude_input_in_output": ("BOOL", bool),
-    "return_log_probs": ("BOOL", bool),
-    "num_top_logprobs": ("INT32", np.int32),
-    "priority": ("INT32", np.int32),
-    "sampling_parameters": ("BYTES", object),
+    tensor.name: (datatype, _NUMPY_TYPES[datatype])
+    for tensor in ENSEMBLE_INPUTS
+    for datatype in [tensor.data_type.removeprefix("TYPE_").replace("STRING", "BYTES")]
 }
 
 
