@@ -8,6 +8,9 @@
 - `model_repo_server` (session): one tritonserver on the committed `model_repo/` (the
   default profile: the whole ensemble with SmolLM2), shared by every server test so the
   model loads once per session.
+- `smollm2_folder`, `smollm2_loaded`, `smollm2_hf`, `smollm2_reference` (session): the
+  prepared model folder, its weights loaded once for engines (`Engine(..., loaded=)`),
+  the `transformers` model on the same weights, and memoised greedy references.
 - Tests marked `gpu` are skipped where CUDA is absent.
 """
 
@@ -22,7 +25,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so that `tools.server_launcher` imports
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
+from inflightllm.model_source import DEFAULT_MODEL, prepare  # noqa: E402
+from inflightllm.models.loader import LoadedModel, load_model  # noqa: E402
 from tools.server_launcher import DEFAULT_SERVER_DIR, ServerStartError, TritonServer  # noqa: E402
 
 
@@ -79,18 +85,59 @@ def model_repo_server(triton_server_factory) -> TritonServer:
     return triton_server_factory(REPO_ROOT / "model_repo", timeout=600.0)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests where CUDA is absent (torch is imported only if there are any)."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
-        return
-    try:
-        import torch
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    return prepare(DEFAULT_MODEL)
 
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if not has_cuda:
+
+@pytest.fixture(scope="session")
+def smollm2_loaded(smollm2_folder) -> LoadedModel:
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+class HFReference:
+    """Greedy `transformers.generate` on one unpadded prompt at a time, memoised."""
+
+    def __init__(self, model, eos_token_ids):
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self._cache: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Generated ids, cut before the first EOS (the engine does not emit stop tokens)."""
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            with torch.no_grad():
+                out = self.model.generate(
+                    torch.tensor([prompt_ids]),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=next(iter(self.eos_token_ids), 0),
+                )[0][len(prompt_ids):].tolist()
+            cut = next((i for i, t in enumerate(out) if t in self.eos_token_ids), len(out))
+            self._cache[key] = out[:cut]
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_hf, smollm2_loaded) -> HFReference:
+    return HFReference(smollm2_hf, smollm2_loaded.eos_token_ids)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests where CUDA is absent."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (no GPU here)")
         for item in gpu_items:
             item.add_marker(skip)

@@ -148,7 +148,7 @@ def tiny_model(request, tmp_path_factory):
 def test_tiny_random_shapes_equal_transformers(tiny_model):
     from inflightllm.model_source import ModelSpec
     from inflightllm.models.loader import load_model
-    from tests.engine_fixtures import HFReference
+    from tests.conftest import HFReference
 
     name, folder, hf_model = tiny_model
     spec = ModelSpec(source="hf_folder", path=str(folder))

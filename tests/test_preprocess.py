@@ -20,9 +20,9 @@ from inflightllm.text.preprocess import (
     RequestLimits,
     build_engine_request,
     pack_token_sequences,
-    unpack_token_sequences,
     word_token_sequences,
 )
+from inflightllm.token_sequences import unpack_token_sequences
 
 LIMITS = RequestLimits(
     max_input_length=64, max_output_len=1024, max_model_len=80, priority_levels=3, vocab_size=49152
@@ -365,7 +365,7 @@ def test_stop_words_pack_both_spacings(smollm2_tokenizer):
     request = build(smollm2_tokenizer, stop_words=words("Paris", "a,b"))
     # "Paris" -> [38634], " Paris" -> [7042]; "a,b" is one word (commas do not split).
     assert request["stop_words"].tolist() == [[4, 1, 38634, 1, 7042, 3, 81, 28, 82, 3, 253, 28, 82]]
-    assert unpack_token_sequences(request["stop_words"]) == [(38634,), (7042,), (81, 28, 82), (253, 28, 82)]
+    assert unpack_token_sequences(request["stop_words"].reshape(-1).tolist()) == ((38634,), (7042,), (81, 28, 82), (253, 28, 82))
 
 
 def test_identical_sequences_are_kept_once(smollm2_tokenizer):
@@ -407,8 +407,8 @@ def test_pack_and_unpack():
     assert pack_token_sequences([]).tolist() == [[0]]
     assert pack_token_sequences([(5,), (1, 2, 3)]).tolist() == [[2, 1, 5, 3, 1, 2, 3]]
     assert pack_token_sequences([(5,)]).dtype == np.int32
-    assert unpack_token_sequences([[2, 1, 5, 3, 1, 2, 3]]) == [(5,), (1, 2, 3)]
-    assert unpack_token_sequences([0]) == []
+    assert unpack_token_sequences([2, 1, 5, 3, 1, 2, 3]) == ((5,), (1, 2, 3))
+    assert unpack_token_sequences([0]) == ()
 
 
 # ---------------------------------------------------------------- precedence and rules

@@ -16,6 +16,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import signal
@@ -155,6 +156,9 @@ class TritonServer:
             env=env,
             start_new_session=True,
         )
+        # The server has its own session (a terminal's Ctrl-C must not reach it directly);
+        # make sure it does not outlive this Python process.
+        atexit.register(self.stop)
         # One reader thread copies the server's output to the log file (and to our
         # stdout for `make serve`), so the pipe never fills and the log is always there.
         self._log_thread = threading.Thread(
@@ -247,10 +251,19 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     print("tritonserver is ready; Ctrl-C stops it", flush=True)
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    # The server runs in its own session (so a terminal's Ctrl-C reaches only us): stop it
+    # on SIGTERM too, or it would outlive this launcher.
+    signal.signal(signal.SIGTERM, terminate)
     try:
         return server.process.wait()
     except KeyboardInterrupt:
         return server.stop() or 0
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

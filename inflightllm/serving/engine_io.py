@@ -12,6 +12,7 @@ import torch
 
 from inflightllm.engine import RequestOutput
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+from inflightllm.token_sequences import unpack_token_sequences
 
 ENGINE_INPUTS = (
     "input_ids",
@@ -47,26 +48,6 @@ class EngineRequest:
     priority: int
     streaming: bool
     echo_prompt: bool  # non-streaming and not exclude_input_in_output: output starts with the prompt
-
-
-def unpack_token_sequences(packed: list[int], name: str) -> tuple[tuple[int, ...], ...]:
-    """`[n, len_1, ids_1..., len_2, ids_2...]` -> ((ids_1...), (ids_2...))."""
-    if not packed:
-        return ()
-    count = packed[0]
-    sequences = []
-    position = 1
-    for index in range(count):
-        if position >= len(packed):
-            raise InvalidRequestError(f"{name}: packed list ends before sequence {index + 1} of {count}")
-        length = packed[position]
-        if length < 1 or position + 1 + length > len(packed):
-            raise InvalidRequestError(f"{name}: sequence {index + 1} has a bad length {length}")
-        sequences.append(tuple(packed[position + 1 : position + 1 + length]))
-        position += 1 + length
-    if position != len(packed) or count < 0:
-        raise InvalidRequestError(f"{name}: packed list has {len(packed) - position} trailing values")
-    return tuple(sequences)
 
 
 def _scalar(inputs: dict[str, torch.Tensor], name: str):

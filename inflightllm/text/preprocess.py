@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inflightllm import token_sequences as packing
+
 MAX_TOP_LOGPROBS = 20
 
 # sampling_parameters keys, in the order docs/INTERFACE.md lists them.
@@ -360,25 +362,8 @@ def word_token_sequences(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
 
 
 def pack_token_sequences(sequences: list[tuple[int, ...]]) -> np.ndarray:
-    """`[n, len_1, ids_1..., len_2, ids_2..., ...]` as INT32, shape [1, L]; `[[0]]` for none."""
-    packed = [len(sequences)]
-    for sequence in sequences:
-        packed.append(len(sequence))
-        packed.extend(sequence)
-    return np.array([packed], dtype=np.int32)
-
-
-def unpack_token_sequences(packed) -> list[tuple[int, ...]]:
-    """Inverse of `pack_token_sequences` (accepts the [1, L] array or a flat list)."""
-    flat = [int(v) for v in np.asarray(packed).reshape(-1)]
-    if not flat:
-        return []
-    count, position, sequences = flat[0], 1, []
-    for _ in range(count):
-        length = flat[position]
-        sequences.append(tuple(flat[position + 1 : position + 1 + length]))
-        position += 1 + length
-    return sequences
+    """The packed form (inflightllm.token_sequences) as INT32, shape [1, L]; `[[0]]` for none."""
+    return np.array([packing.pack_token_sequences(sequences)], dtype=np.int32)
 
 
 # ----------------------------------------------------------------------------- request
