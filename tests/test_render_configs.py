@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from google.protobuf import text_format
@@ -342,3 +343,11 @@ def test_every_shipped_profile_renders_valid_configs(tmp_path, profile_path):
         assert config.max_batch_size == 64
     engine = parse_config(tmp_path / "engine" / "config.pbtxt")
     assert parameters(engine)["gpu_ids"] == ",".join(str(i) for i in profile.engine.gpu_ids)
+
+
+def test_preprocessing_code_emits_exactly_the_rendered_engine_inputs():
+    from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
+
+    numpy_to_triton = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
+    emitted = {name: numpy_to_triton[np.dtype(dtype).name] for name, dtype in ENGINE_REQUEST_DTYPES.items()}
+    assert emitted == {t.name: t.data_type for t in render_configs.PREPROCESSING_TO_ENGINE}

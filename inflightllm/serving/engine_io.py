@@ -12,31 +12,11 @@ import torch
 
 from inflightllm.engine import RequestOutput
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
 from inflightllm.token_sequences import unpack_token_sequences
 
-ENGINE_INPUTS = (
-    "input_ids",
-    "input_length",
-    "max_tokens",
-    "min_tokens",
-    "streaming",
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_k",
-    "seed",
-    "end_id",
-    "ignore_eos",
-    "stop_words",
-    "bad_words",
-    "return_log_probs",
-    "num_top_logprobs",
-    "priority",
-    "exclude_input_in_output",
-)
+# The generation inputs of the engine model: exactly what preprocessing emits.
+ENGINE_INPUTS = tuple(ENGINE_REQUEST_DTYPES)
 
 
 @dataclass

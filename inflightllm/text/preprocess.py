@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from inflightllm import token_sequences as packing
-
-MAX_TOP_LOGPROBS = 20
+from inflightllm.sampling_params import MAX_TOP_LOGPROBS
 
 # sampling_parameters keys, in the order docs/INTERFACE.md lists them.
 SAMPLING_PARAMETER_KEYS = (
