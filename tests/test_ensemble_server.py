@@ -223,9 +223,7 @@ BAD_REQUESTS = [
 def test_bad_requests_get_clear_errors_while_a_good_one_completes(model_repo_server):
     good = {"messages": chat("What is the capital of France?"), "max_tokens": 32, "stream": True}
     requests = [good] + [bad for bad, _ in BAD_REQUESTS] + [good]
-    started = time.monotonic()
     results = run_stream_requests(model_repo_server.grpc_url, requests, num_streams=len(requests))
-    assert time.monotonic() - started < 120
     assert results[0].error is None and results[0].text == "The capital of France is Paris."
     assert results[-1].error is None and results[-1].text == "The capital of France is Paris."
     problems = []

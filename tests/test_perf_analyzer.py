@@ -98,7 +98,10 @@ def perf_analyzer_command(grpc_url: str) -> list[str]:
         "--input-data", str(INPUTS_DIR / "chat_stream.json"),
         "-u", grpc_url,
         "--concurrency-range", "1:2",
-        "--measurement-interval", "4000",
+        # Windows end after 3 finished requests, not after a time: a slower machine
+        # cannot leave a window with no finished request ("No valid requests recorded").
+        "--measurement-mode", "count_windows",
+        "--measurement-request-count", "3",
         # A smoke run: three windows per concurrency, every window counts as stable.
         "--max-trials", "3",
         "--stability-percentage", "1000",
