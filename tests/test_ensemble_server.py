@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import tritonclient.grpc as grpcclient
