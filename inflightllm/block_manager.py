@@ -193,8 +193,3 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_table = []
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached contents of free blocks."""
-        for block_id in self.free_queue:
-            self._evict_if_cached(self.blocks[block_id])

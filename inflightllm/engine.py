@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
+from inflightllm.detokenizer import CONTEXT_WINDOW
 from inflightllm.model_runner import ModelRunner
 from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
 from inflightllm.models.loader import LoadedModel, load_model
-from inflightllm.request import DETOKENIZE_CONTEXT, FinishReason, Request, RequestStatus
+from inflightllm.request import FinishReason, Request, RequestStatus
 from inflightllm.sampler import Sampler
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.scheduler import Scheduler
@@ -28,7 +29,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    context_ids: list[int]  # up to DETOKENIZE_CONTEXT generated tokens sent before these
+    context_ids: list[int]  # up to CONTEXT_WINDOW generated tokens sent before these
     new_logprobs: list[float]
     new_top_ids: list[list[int]]
     new_top_logprobs: list[list[float]]
@@ -285,7 +286,7 @@ class Engine:
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=outputs[start:upto],
-            context_ids=outputs[max(0, start - DETOKENIZE_CONTEXT) : start],
+            context_ids=outputs[max(0, start - CONTEXT_WINDOW) : start],
             new_logprobs=request.logprobs[start:upto] if wants_logprobs else [],
             new_top_ids=request.top_logprob_ids[start:upto] if params.top_logprobs else [],
             new_top_logprobs=request.top_logprob_values[start:upto] if params.top_logprobs else [],

@@ -10,9 +10,6 @@ import torch
 
 from inflightllm.sampling_params import SamplingParams
 
-# How many already-sent tokens accompany each output as detokenization context.
-DETOKENIZE_CONTEXT = 8
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -48,7 +45,6 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     streaming: bool = False
-    echo_prompt: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0
 

@@ -291,11 +291,12 @@ def test_demo_answers_and_stops_its_server():
 
 
 def test_demo_picks_model_repo_for_the_default_profile_and_renders_others(tmp_path):
-    from tools.demo import model_repository_for
+    from inflightllm.profile import load_profile
+    from tools.serve import repository_for
 
-    assert model_repository_for(REPO_ROOT / "profiles" / "smollm2-cpu.yaml", tmp_path) == REPO_ROOT / "model_repo"
+    assert repository_for(load_profile(REPO_ROOT / "profiles" / "smollm2-cpu.yaml"), tmp_path) == REPO_ROOT / "model_repo"
     assert list(tmp_path.iterdir()) == []
-    rendered = model_repository_for(REPO_ROOT / "profiles" / "llama3-8b-h200.yaml", tmp_path)
+    rendered = repository_for(load_profile(REPO_ROOT / "profiles" / "llama3-8b-h200.yaml"), tmp_path)
     assert rendered == tmp_path / "model_repo-llama3-8b-h200"
     for model in ("ensemble", "preprocessing", "engine", "postprocessing"):
         assert (rendered / model / "config.pbtxt").is_file(), model

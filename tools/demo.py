@@ -21,22 +21,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from inflightllm.client import ClientError, chat_messages, stream_generate  # noqa: E402
 from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # noqa: E402
+from tools.serve import repository_for  # noqa: E402
 from tools.server_launcher import DEFAULT_SERVER_DIR, ServerStartError, TritonServer  # noqa: E402
 
 DEFAULT_QUESTION = "What is the capital of France?"
-
-
-def model_repository_for(profile_path: Path, build_dir: Path = REPO_ROOT / "build") -> Path:
-    """`model_repo/` for the default profile; otherwise render the profile into
-    `<build_dir>/model_repo-<name>` and return that folder."""
-    if Path(profile_path).resolve() == DEFAULT_PROFILE.resolve():
-        return REPO_ROOT / "model_repo"
-    from tools.render_configs import render
-
-    profile = load_profile(profile_path)
-    out_dir = Path(build_dir) / f"model_repo-{profile.name}"
-    render(profile, out_dir)
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        repository = model_repository_for(args.profile)
+        repository = repository_for(load_profile(args.profile))
     except ProfileError as error:
         print(error, file=sys.stderr)
         return 1

@@ -21,10 +21,11 @@ from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # n
 from tools import render_configs, server_launcher  # noqa: E402
 
 
-def repository_for(profile_path: Path) -> Path:
-    """The model repository to serve for a profile (rendering it when needed)."""
-    profile = load_profile(profile_path)
-    if Path(profile_path).resolve() == DEFAULT_PROFILE.resolve():
+def repository_for(profile, build_dir: Path = REPO_ROOT / "build") -> Path:
+    """The model repository to serve for a loaded profile: the committed `model_repo/`
+    for the default profile (refusing to serve it if it drifted), else a render into
+    `<build_dir>/model_repo-<name>`."""
+    if Path(profile.source_path).resolve() == DEFAULT_PROFILE.resolve():
         drift = render_configs.check(profile, REPO_ROOT / "model_repo")
         if drift:
             raise SystemExit(
@@ -32,7 +33,7 @@ def repository_for(profile_path: Path) -> Path:
                 "`make render-configs` (or revert your edit):\n" + "\n".join(drift)
             )
         return REPO_ROOT / "model_repo"
-    out = REPO_ROOT / "build" / f"model_repo-{profile.name}"
+    out = Path(build_dir) / f"model_repo-{profile.name}"
     render_configs.render(profile, out)
     return out
 
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        repository = repository_for(args.profile)
         profile = load_profile(args.profile)
+        repository = repository_for(profile)
     except ProfileError as error:
         print(error, file=sys.stderr)
         return 2

@@ -40,11 +40,6 @@ class TorchReferenceAttention(AttentionBackend):
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def kv_cache_views(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as [num_blocks, block_size, num_kv_heads, head_dim]."""
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return self.key_cache[layer_index].view(shape), self.value_cache[layer_index].view(shape)
-
     def _slots(self, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end, dtype=torch.int64)
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
