@@ -27,6 +27,7 @@ class EngineConfig:
     batching_strategy: str = "inflight"  # inflight | static
     stream_interval: int = 1  # a streamed response every N new tokens
     priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
+    cuda_graphs: bool = True  # GPU: replay captured CUDA graphs for decode steps (false: eager, for debugging)
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
 from inflightllm.detokenizer import CONTEXT_WINDOW
-from inflightllm.model_runner import ModelRunner
+from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
 from inflightllm.models.loader import LoadedModel, load_model
 from inflightllm.request import FinishReason, Request, RequestStatus
-from inflightllm.sampler import Sampler
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
-from inflightllm.scheduler import Scheduler
+from inflightllm.scheduler import Scheduler, SchedulerOutput
+from inflightllm.step import CachedRequestData, NewRequestData, StepDescription
 
 
 @dataclass
@@ -43,6 +43,29 @@ class RequestOutput:
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
     e2e_latency: float | None = None
+
+
+def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request merged into one: the new tokens (and their log
+    probs) of all, in order; the context of the first; counts and finish of the last."""
+    first, last = outputs[0], outputs[-1]
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        context_ids=first.context_ids,
+        new_logprobs=[v for o in outputs for v in o.new_logprobs],
+        new_top_ids=[v for o in outputs for v in o.new_top_ids],
+        new_top_logprobs=[v for o in outputs for v in o.new_top_logprobs],
+        cum_logprob=last.cum_logprob,
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        time_to_first_token=last.time_to_first_token,
+        time_per_output_token=last.time_per_output_token,
+        e2e_latency=last.e2e_latency,
+    )
 
 
 @dataclass
@@ -81,12 +104,14 @@ class _Counters:
     pending: list[RequestOutput] = field(default_factory=list)
 
 
-def num_kv_blocks(config: EngineConfig, dims: ModelDims, dtype: str) -> int:
-    """KV blocks that fit the profile's memory budget (or the explicit count)."""
+def num_kv_blocks(config: EngineConfig, dims: ModelDims, dtype: str) -> int | None:
+    """KV blocks that fit the profile's memory budget (or the explicit count). None on a
+    GPU: the CUDA runner sizes its cache from `gpu_memory_utilization` after loading the
+    weights and measuring a step of the largest size."""
     if config.num_kv_blocks > 0:
         return config.num_kv_blocks
     if config.device != "cpu":
-        raise NotImplementedError("GPU KV-cache sizing arrives with the CUDA backend")
+        return None
     bytes_per_block = config.block_size * dims.kv_bytes_per_token(DTYPE_BYTES[dtype], config.tensor_parallel_size)
     return config.kv_cache_bytes // bytes_per_block
 
@@ -103,25 +128,31 @@ class Engine:
     ):
         self.model_spec = model_spec
         self.config = config
-        if config.device != "cpu":
-            # Checked before loading: a GPU shape would not fit in host memory anyway.
-            raise NotImplementedError(
-                f"device {config.device!r}: only the CPU backend exists so far (the CUDA backend comes next)"
-            )
-        self.loaded = loaded if loaded is not None else load_model(model_spec, device="cpu")
+        if loaded is not None:
+            self.loaded = loaded
+        elif config.device == "cpu":
+            self.loaded = load_model(model_spec, device="cpu")
+        else:
+            from inflightllm.gpu.model import load_gpu_model
+
+            self.loaded = load_gpu_model(model_spec, config)
         arch = self.loaded.arch
         dims = ModelDims.from_config(self.loaded.config)
         self.vocab_size = arch.vocab_size
         self.max_model_len = model_spec.max_model_len or arch.max_position_embeddings
         blocks = num_kv_blocks(config, dims, model_spec.dtype)
-        if blocks < 1:
+        if blocks is not None and blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens"
             )
+        self.runner = make_model_runner(self.loaded, config, blocks, sampler_seed)
+        blocks = self.runner.num_blocks
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.loaded, blocks, config.block_size, config.device)
-        self.sampler = Sampler(sampler_seed)
+        # What the runner holds: blocks of each request it knows, and what to tell it next.
+        self._runner_blocks: dict[str, int] = {}  # running in the runner: block ids sent
+        self._runner_held: set[str] = set()  # the runner has state for these (preempted too)
+        self._runner_finished: list[str] = []
         self.requests: dict[str, Request] = {}
         self._counters = _Counters()
 
@@ -205,15 +236,14 @@ class Engine:
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         if scheduled.is_empty:
             return outputs
-        result = self.runner.execute(scheduled)
+        sampled = self.runner.execute(self._describe(scheduled))
         self._counters.steps += 1
         for item in scheduled.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.request)
-        sampling = [scheduled.scheduled[i].request for i in result.sampling_indices]
-        sampled = self.sampler(result.logits, sampling)
         now = time.monotonic()
-        for row, request in enumerate(sampling):
+        for row, request_id in enumerate(sampled.request_ids):
+            request = self.requests[request_id]
             request.token_ids.append(sampled.token_ids[row])
             request.logprobs.append(sampled.logprobs[row] or 0.0)
             request.top_logprob_ids.append(sampled.top_ids[row])
@@ -229,6 +259,42 @@ class Engine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
+        """The step for the runner: requests it does not hold are sent whole, the others
+        as deltas (new block ids, computed count); preempted and finished ids once."""
+        step = StepDescription(finished_request_ids=self._runner_finished)
+        self._runner_finished = []
+        for request in scheduled.preempted:
+            if self._runner_blocks.pop(request.request_id, None) is not None:
+                step.preempted_request_ids.append(request.request_id)
+        for item in scheduled.scheduled:
+            request = item.request
+            sent = self._runner_blocks.get(request.request_id)
+            if sent is None:
+                step.new_requests.append(
+                    NewRequestData(
+                        request_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                        block_ids=list(request.block_table),
+                        num_computed_tokens=request.num_computed_tokens,
+                        params=request.params,
+                        eos_token_ids=tuple(sorted(request.eos_token_ids)),
+                    )
+                )
+            else:
+                step.cached_requests.append(
+                    CachedRequestData(
+                        request_id=request.request_id,
+                        new_block_ids=request.block_table[sent:],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            self._runner_blocks[request.request_id] = len(request.block_table)
+            self._runner_held.add(request.request_id)
+            step.scheduled.append((request.request_id, item.num_new_tokens))
+        return step
 
     def _drop_last(self, request: Request, count: int) -> None:
         del request.token_ids[-count:]
@@ -268,6 +334,10 @@ class Engine:
         request.finish_time = time.monotonic()
         self.scheduler.remove(request)
         del self.requests[request.request_id]
+        self._runner_blocks.pop(request.request_id, None)
+        if request.request_id in self._runner_held:
+            self._runner_held.discard(request.request_id)
+            self._runner_finished.append(request.request_id)
 
     def _output(self, request: Request) -> RequestOutput | None:
         """The output due for this request now, or None (nothing to send yet)."""

@@ -1,27 +1,65 @@
-"""Runs one scheduled step: packs it into flat tensors, runs the model, returns the
-logits of each sampling request's last position. Knows tensors, not policy."""
+"""Runs one step described by a `StepDescription`: keeps its own per-request state,
+packs the step into flat tensors, runs the model, samples. Knows tensors, not policy.
+
+`ModelRunner` is the CPU runner (the exact torch reference attention, the reference
+sampler). `make_model_runner` picks the CUDA runner (`inflightllm.gpu.runner`) for GPU
+engines; both take the same step descriptions and return the same `SampledTokens`.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from inflightllm.attention import AttentionBackend, SequenceSlice, make_attention_backend
 from inflightllm.models.loader import LoadedModel
-from inflightllm.scheduler import SchedulerOutput
+from inflightllm.request import Request
+from inflightllm.sampler import Sampler
+from inflightllm.step import SampledTokens, StepDescription
 
 
-@dataclass
-class StepResult:
-    logits: torch.Tensor  # [num_sampling_requests, vocab_size] float32
-    sampling_indices: list[int]  # positions in scheduler_output.scheduled that sampled
+class RequestStates:
+    """The runner's own copy of each request: tokens, block table, computed count, and
+    the sampling state (seeded generator, stop/ban sets) in a private `Request`."""
+
+    def __init__(self):
+        self.requests: dict[str, Request] = {}
+
+    def update(self, step: StepDescription) -> None:
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            state = self.requests.get(new.request_id)  # resumed after preemption: keeps its generator
+            if state is None:
+                state = Request(
+                    request_id=new.request_id,
+                    prompt_token_ids=list(new.prompt_token_ids),
+                    params=new.params,
+                    eos_token_ids=frozenset(new.eos_token_ids),
+                )
+                self.requests[new.request_id] = state
+            state.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+            state.block_table = list(new.block_ids)
+            state.num_computed_tokens = new.num_computed_tokens
+        for cached in step.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_table.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def __getitem__(self, request_id: str) -> Request:
+        return self.requests[request_id]
 
 
 class ModelRunner:
-    """Owns the model and the KV cache of one device."""
+    """Owns the model and the KV cache of one CPU device."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device_kind: str = "cpu"):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        device_kind: str = "cpu",
+        sampler_seed: int | None = None,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -36,36 +74,53 @@ class ModelRunner:
         self.attention.allocate_kv_cache(
             num_blocks, block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, loaded.dtype, self.device
         )
+        self.num_blocks = num_blocks
+        self.states = RequestStates()
+        self.sampler = Sampler(sampler_seed)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
+    def execute(self, step: StepDescription) -> SampledTokens:
+        self.states.update(step)
         sequences: list[SequenceSlice] = []
         token_chunks: list[list[int]] = []
         last_positions: list[int] = []
-        sampling_indices: list[int] = []
+        sampling: list[Request] = []
         offset = 0
-        for index, item in enumerate(scheduler_output.scheduled):
-            request = item.request
-            start = request.num_computed_tokens
-            end = start + item.num_new_tokens
-            token_chunks.append(request.token_ids[start:end])
+        for request_id, num_new in step.scheduled:
+            state = self.states[request_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            token_chunks.append(state.token_ids[start:end])
             sequences.append(
-                SequenceSlice(
-                    query_start=offset,
-                    query_len=item.num_new_tokens,
-                    context_len=end,
-                    block_table=tuple(request.block_table),
-                )
+                SequenceSlice(query_start=offset, query_len=num_new, context_len=end, block_table=tuple(state.block_table))
             )
-            offset += item.num_new_tokens
-            if item.samples:
+            offset += num_new
+            if end == state.num_tokens:
                 last_positions.append(offset - 1)
-                sampling_indices.append(index)
+                sampling.append(state)
         input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.int64, device=self.device)
         metadata = self.attention.build_metadata(sequences, self.device)
         hidden = self.model(input_ids, self.attention, metadata)  # [num_tokens, hidden]
-        if last_positions:
-            selected = hidden[torch.tensor(last_positions, dtype=torch.int64, device=self.device)]
-            logits = self.model.compute_logits(selected)
-        else:
-            logits = torch.empty(0, self.loaded.arch.vocab_size, dtype=torch.float32, device=self.device)
-        return StepResult(logits=logits, sampling_indices=sampling_indices)
+        result = SampledTokens()
+        if not sampling:
+            return result
+        selected = hidden[torch.tensor(last_positions, dtype=torch.int64, device=self.device)]
+        logits = self.model.compute_logits(selected)  # [num_sampling, vocab] float32
+        sampled = self.sampler(logits, sampling)
+        for state, token in zip(sampling, sampled.token_ids):
+            state.token_ids.append(token)
+        result.request_ids = [state.request_id for state in sampling]
+        result.token_ids = sampled.token_ids
+        result.logprobs = sampled.logprobs
+        result.top_ids = sampled.top_ids
+        result.top_logprobs = sampled.top_logprobs
+        return result
+
+
+def make_model_runner(loaded: LoadedModel, config, num_blocks: int | None, sampler_seed: int | None):
+    """The runner for the engine's device: CPU reference, or the CUDA runner (which sizes
+    its KV cache itself when `num_blocks` is None)."""
+    if config.device == "cpu":
+        return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed)
+    from inflightllm.gpu.runner import GpuModelRunner
+
+    return GpuModelRunner(loaded, config, num_blocks, sampler_seed)

@@ -370,6 +370,7 @@ def _read_engine(
         ),
         "stream_interval": reader.integer(get("stream_interval"), "engine.stream_interval", 1, 1024),
         "priority_levels": reader.integer(get("priority_levels"), "engine.priority_levels", 1, 16),
+        "cuda_graphs": reader.boolean(get("cuda_graphs"), "engine.cuda_graphs"),
     }
     utilization = values["gpu_memory_utilization"]
     if not 0.0 < utilization < 1.0:

@@ -61,6 +61,27 @@ SHAPES: dict[str, dict] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # SmolLM2-135M's shape (the default model's), for GPU exactness runs on random weights.
+    "smollm2-135m": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     # Tiny shapes of each supported family, for exactness tests on CPU.
     "tiny-llama3": {
         "model_type": "llama",

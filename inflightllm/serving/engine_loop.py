@@ -2,9 +2,14 @@
 
 `execute` (Triton's thread) only validates a request and `submit`s it with a response
 sink; it returns at once. One loop thread owns the engine: it takes in new requests,
-checks cancellations, runs a step, and sends each output through its request's sink
+checks cancellations, runs a step, and hands the step's outputs to the sender thread
 (a response per `stream_interval` tokens, the final flag on the last one). Finished and
 cancelled requests' KV blocks are freed in the same step.
+
+The sender thread builds the response tensors and sends them, off the step thread, so
+the GPU is not kept waiting on Python-backend IPC. When a stream falls behind (several
+outputs of one request wait in the queue), they go out coalesced as one response. There
+is no timer and no minimum batch: an idle sender sends each output at once.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from inflightllm.engine import Engine, EngineStats, RequestOutput
+from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
 
@@ -53,8 +58,10 @@ class EngineLoop:
         self._stopping = False
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
+        self._sender = ResponseSender(self)
 
     def start(self) -> EngineLoop:
+        self._sender.start()
         self._thread.start()
         return self
 
@@ -95,10 +102,11 @@ class EngineLoop:
             self._wakeup.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._sender.stop(timeout_s)
 
     @property
     def num_active(self) -> int:
-        return len(self._active) + len(self._inbox)
+        return len(self._active) + len(self._inbox) + self._sender.num_pending
 
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -114,6 +122,8 @@ class EngineLoop:
             self._admit(arrivals)
             for handle in cancels:
                 self.engine.abort(self.request_id(handle))
+            for request_id in self._sender.take_failed():
+                self.engine.abort(request_id)
             if stopping:
                 self._cancel_all()
                 return
@@ -161,33 +171,31 @@ class EngineLoop:
                 self.engine.abort(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand the outputs to the sender thread; a finished request leaves `_active` now."""
+        batch = []
         for output in outputs:
             entry = self._active.get(output.request_id)
             if entry is None:
                 continue
             request, sink = entry
-            try:
-                sink.send(output_tensors(output, request, self.handle(output.request_id)), final=output.finished)
-            except Exception:
-                logger.exception("sending a response failed; cancelling request %s", output.request_id)
-                if not output.finished:
-                    self.engine.abort(output.request_id)
-                    continue
+            batch.append((output, request, sink))
             if output.finished:
                 del self._active[output.request_id]
+        if batch:
+            self._sender.put(batch)
 
     def _cancel_all(self) -> None:
         for request_id in list(self._active):
             self.engine.abort(request_id)
         self._deliver(self.engine.step() if self.engine.has_unfinished() else [])
         for request_id, (_, sink) in list(self._active.items()):
-            self._safe_error(sink, "the engine is shutting down")
+            self._sender.put_error(sink, "the engine is shutting down")
             del self._active[request_id]
 
     def _fail_all(self, message: str) -> None:
         for request_id, (_, sink) in list(self._active.items()):
             self.engine.abort(request_id)
-            self._safe_error(sink, message)
+            self._sender.put_error(sink, message)
         self._active.clear()
         if self.engine.has_unfinished():
             self.engine.step()  # drains the aborted requests' final outputs (nobody to send them to)
@@ -198,3 +206,104 @@ class EngineLoop:
             sink.send_error(message)
         except Exception:
             logger.exception("sending an error response failed")
+
+
+class ResponseSender:
+    """The thread that turns outputs into responses and sends them.
+
+    Items are queued per step; a request's pending outputs are merged into one response
+    when more than one waits (the stream fell behind). Errors keep their place in the
+    order. A send that raises marks the request failed; the loop thread aborts it.
+    """
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self._queue: deque = deque()  # ("outputs", [(output, request, sink)]) | ("error", sink, message)
+        self._failed: deque[str] = deque()
+        self._condition = threading.Condition()
+        self._stopping = False
+        self._busy = 0
+        self._thread = threading.Thread(target=self._run, name="inflightllm-response-sender", daemon=True)
+        self.responses_sent = 0
+        self.outputs_coalesced = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, batch) -> None:
+        with self._condition:
+            self._queue.append(("outputs", batch))
+            self._condition.notify()
+
+    def put_error(self, sink: ResponseSink, message: str) -> None:
+        with self._condition:
+            self._queue.append(("error", sink, message))
+            self._condition.notify()
+
+    def take_failed(self) -> list[str]:
+        failed = []
+        while self._failed:
+            failed.append(self._failed.popleft())
+        return failed
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queue) + self._busy
+
+    def stop(self, timeout_s: float) -> None:
+        """Send everything queued, then end the thread."""
+        with self._condition:
+            self._stopping = True
+            self._condition.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue and not self._stopping:
+                    self._condition.wait()
+                if not self._queue and self._stopping:
+                    return
+                items = list(self._queue)
+                self._queue.clear()
+                self._busy = len(items)  # counted down as each response is handed over
+            try:
+                self._send_all(items)
+            finally:
+                self._busy = 0
+
+    def _send_all(self, items) -> None:
+        # Merge each request's outputs across the queued steps; keep first-seen order.
+        merged: dict[str, list] = {}
+        order: list = []
+        for item in items:
+            if item[0] == "error":
+                order.append(item)
+                continue
+            for output, request, sink in item[1]:
+                entry = merged.get(output.request_id)
+                if entry is None:
+                    entry = [[output], request, sink]
+                    merged[output.request_id] = entry
+                    order.append(("request", output.request_id))
+                else:
+                    entry[0].append(output)
+        self._busy = len(order)
+        for item in order:
+            self._busy -= 1
+            if item[0] == "error":
+                EngineLoop._safe_error(item[1], item[2])
+                continue
+            outputs, request, sink = merged[item[1]]
+            output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
+            self.outputs_coalesced += len(outputs) - 1
+            try:
+                sink.send(output_tensors(output, request, EngineLoop.handle(output.request_id)), final=output.finished)
+                self.responses_sent += 1
+            except Exception:
+                logger.exception("sending a response failed; cancelling request %s", output.request_id)
+                if not output.finished:
+                    self._failed.append(output.request_id)
+                    with self.loop._wakeup:
+                        self.loop._wakeup.notify()

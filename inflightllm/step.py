@@ -1,0 +1,68 @@
+"""The step description: what the engine core tells a model runner to run.
+
+Self-contained and serializable (plain dataclasses of ints, lists and SamplingParams), so
+a runner can live in another process (tensor-parallel workers get the same message).
+A runner keeps its own per-request state; the engine sends each request whole once
+(`NewRequestData`: on first scheduling and on resumption after a preemption) and then
+only deltas (`CachedRequestData`: new block ids and the computed-token count). Tokens a
+runner sampled itself are never sent back to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inflightllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner does not hold (or holds only as preempted state)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after a preemption
+    block_ids: list[int]  # its whole block table
+    num_computed_tokens: int  # tokens whose K/V are already in those blocks (prefix-cache hits)
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner holds: what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class StepDescription:
+    """One step: state changes first, then the packed batch to run."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # (request id, tokens to compute this step), in packed order.
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+    # Preempted since the last step: the runner frees their slots, keeps their state
+    # (tokens, generator) until they come back as new requests.
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Finished or aborted since the last step: the runner forgets them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(count for _, count in self.scheduled)
+
+
+@dataclass
+class SampledTokens:
+    """What a runner returns: one sampled token per request whose step reached the end
+    of its known tokens, in `request_ids` order."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # of the chosen token, when asked
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
