@@ -1,0 +1,300 @@
+"""CUDA paged attention backend: KV cache in one CuPy allocation, kernels from kernels.cu.
+
+- reshape_and_cache writes the step's new K/V into the cache (slot -1 = padding, skipped);
+- decodes (the first `num_decodes` sequences, one token each) run flash-decoding
+  (`paged_decode_v2`, split over the context, then `decode_reduce` when split);
+- prefills / chunks run either `prefill_mma` (tensor cores, reads K/V through the block
+  table) or gather + torch's flash varlen op (fp16/bf16), or `prefill_fma` (fp32).
+
+Everything in `forward` launches on torch's current stream, reads no device data on the host
+and sizes launches from host ints only, so a decode step can be captured in a torch CUDA graph
+(the decode split count depends only on `num_decodes` and `max_model_len`). CuPy is imported
+lazily (in allocate_kv_cache and on the first kernel launch).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inflightllm.attention.base import AttentionBackend, SequenceSlice
+from inflightllm.attention.cuda import ops
+
+log = logging.getLogger(__name__)
+
+# Which prefill implementation forward uses for fp16/bf16 ("mma" or "flash"); see
+# docs/CUDA-KERNELS.md for the measurements behind the choice. fp32 always uses "fma".
+PREFILL_DEFAULT = "flash"
+# Which flash-decoding kernel forward uses ("v1": shared-memory logits per 256-token chunk;
+# "v2": register online softmax, K and V loads together, no barriers in the token loop).
+DECODE_DEFAULT = "v2"
+
+
+@dataclass
+class CudaAttentionMetadata:
+    """A packed step, no padding except for CUDA-graph buckets. Sequences are ordered: the
+    first `num_decodes` are decodes (query_len == 1, tokens 0..num_decodes-1), the remaining
+    `num_prefills` are prefills / chunks (query_len >= 1) packed after them."""
+
+    num_decodes: int  # host int
+    num_prefills: int  # host int
+    num_decode_tokens: int  # == num_decodes
+    max_query_len: int  # host int, over the prefill sequences (0 if none)
+    max_context_len: int  # host int, over all sequences (upper bound ok)
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding, skipped
+    positions: torch.Tensor  # [num_tokens] int64 (RoPE, outside attention)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor  # [num_seqs] int32, tokens in cache after this step; 0 = padding row
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32 prefix sums of query lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+
+class CudaPagedAttention(AttentionBackend):
+    """Paged KV cache on the GPU; flash-decoding for decodes, tensor-core / flash prefill."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        max_model_len: int = 8192,
+        prefill_impl: str | None = None,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        if head_dim not in ops.HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} unsupported (supported: {ops.HEAD_DIMS})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window or None
+        self.max_model_len = max_model_len
+        self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
+        self.decode_impl = DECODE_DEFAULT  # "v1" | "v2" (paged_decode / paged_decode_v2)
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
+        self.kv_cache_bytes = 0
+        self.block_size = 0
+        self.num_blocks = 0
+        self.dtype: torch.dtype | None = None
+        self._bs_shift = 0
+        self._cupy_array = None  # owns the cache memory
+        self._num_sms = 132
+        self._flash_error: str | None = None
+
+    # ------------------------------------------------------------------ cache
+    def allocate_kv_cache(
+        self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device
+    ):
+        import cupy
+
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size {block_size} must be a power of two")
+        if num_kv_heads != self.num_kv_heads or head_dim != self.head_dim:
+            raise ValueError("cache shape differs from the backend's heads")
+        if dtype not in ops.CTYPE:
+            raise ValueError(f"unsupported dtype {dtype}")
+        device = torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        storage = {
+            torch.float32: cupy.float32,
+            torch.float16: cupy.float16,
+            torch.bfloat16: cupy.uint16,
+        }[dtype]
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self._cupy_array = None
+        self.key_cache, self.value_cache, self.kv_cache = [], [], None
+        with cupy.cuda.Device(index):
+            array = cupy.zeros(shape, dtype=storage)
+        cache = torch.from_dlpack(array)
+        if dtype == torch.bfloat16:
+            cache = cache.view(torch.bfloat16)
+        self._cupy_array = array
+        self.kv_cache = cache
+        self.key_cache = [cache[layer, 0] for layer in range(num_layers)]
+        self.value_cache = [cache[layer, 1] for layer in range(num_layers)]
+        self.kv_cache_bytes = int(array.nbytes)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self._bs_shift = block_size.bit_length() - 1
+        self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+
+    # ------------------------------------------------------------------ metadata
+    def build_metadata(self, sequences: list[SequenceSlice], device) -> CudaAttentionMetadata:
+        """Host-side packing of a step (decodes first). A convenience for tests and simple
+        runners; a graph-captured runner fills the same tensors in static buffers itself."""
+        bs = self.block_size
+        num_decodes = 0
+        for seq in sequences:
+            if seq.query_len != 1:
+                break
+            num_decodes += 1
+        slots, positions, starts, ctx_lens = [], [], [0], []
+        for seq in sequences:
+            if seq.query_start != starts[-1]:
+                raise ValueError("sequences must be packed in order")
+            first = seq.context_len - seq.query_len
+            for pos in range(first, seq.context_len):
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                positions.append(pos)
+            starts.append(starts[-1] + seq.query_len)
+            ctx_lens.append(seq.context_len)
+        width = max([len(s.block_table) for s in sequences] + [1])
+        table = torch.zeros((len(sequences), width), dtype=torch.int32)
+        for row, seq in enumerate(sequences):
+            if seq.block_table:
+                table[row, : len(seq.block_table)] = torch.tensor(
+                    seq.block_table, dtype=torch.int32
+                )
+        prefills = sequences[num_decodes:]
+        return CudaAttentionMetadata(
+            num_decodes=num_decodes,
+            num_prefills=len(prefills),
+            num_decode_tokens=num_decodes,
+            max_query_len=max([s.query_len for s in prefills] + [0]),
+            max_context_len=max(ctx_lens + [0]),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            block_tables=table.to(device),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        )
+
+    def decode_splits(self, num_decodes: int) -> int:
+        """Splits of each decode's context (flash-decoding): as many as fit the GPU's resident
+        blocks in one wave (floor, so no partial second wave), at most one per 128 tokens of
+        max_model_len. Depends on host ints only (graph-safe)."""
+        maxg, per_kv = ops.decode_group_split(self.num_heads // self.num_kv_heads)
+        base = self.num_kv_heads * per_kv * max(1, num_decodes)
+        slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
+        cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
+        return max(1, min(slots // base, cap))
+
+    def prefill_kind(self, dtype: torch.dtype) -> str:
+        if dtype == torch.float32:
+            return "fma"
+        if self.prefill_impl == "flash" and self._flash_error is None:
+            return "flash"
+        return "mma"
+
+    # ------------------------------------------------------------------ attention
+    def forward(self, layer_index, query, key, value, metadata: CudaAttentionMetadata, out=None):
+        """query [T, H, d], key/value [T, kvh, d] (strided views fine, e.g. of a fused qkv
+        output; query is copied only if its base or strides are not 16-byte multiples, key and
+        value are read in place, with 2/4-byte instead of 16-byte accesses when misaligned).
+        Writes K/V to the cache, then attends. Returns out [T, H, d] (contiguous; pass `out`
+        to write into a preallocated buffer, e.g. a CUDA-graph static output)."""
+        num_tokens = query.shape[0]
+        if out is None:
+            out = torch.empty(
+                (num_tokens, self.num_heads, self.head_dim), dtype=query.dtype, device=query.device
+            )
+        stream = ops.current_stream()
+        key_cache = self.key_cache[layer_index]
+        value_cache = self.value_cache[layer_index]
+        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, stream)
+        if not ops.aligned16(query):  # e.g. an odd offset: copy into fresh (aligned) memory
+            query = query.clone(memory_format=torch.contiguous_format)
+        window = self.sliding_window or 0
+        nd = metadata.num_decodes
+        if nd > 0:
+            ops.paged_decode(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.context_lens,
+                out,
+                nd,
+                self.decode_splits(nd),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self._bs_shift,
+                window,
+                self.scale,
+                stream,
+                self.decode_impl,
+            )
+        if metadata.num_prefills > 0 and metadata.max_query_len > 0:
+            kind = self.prefill_kind(query.dtype)
+            if kind == "flash":
+                try:
+                    self._prefill_flash(query, key_cache, value_cache, metadata, out, stream)
+                    return out
+                except (RuntimeError, TypeError) as error:  # op missing / rejected: fall back
+                    self._flash_error = f"{type(error).__name__}: {error}"
+                    log.warning(
+                        "flash prefill unavailable, using prefill_mma: %s", self._flash_error
+                    )
+                    kind = "mma"
+            ops.prefill(
+                kind,
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.context_lens,
+                metadata.query_start_loc,
+                out,
+                nd,
+                metadata.num_prefills,
+                metadata.max_query_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self._bs_shift,
+                window,
+                self.scale,
+                stream,
+            )
+        return out
+
+    def _prefill_flash(self, query, key_cache, value_cache, md: CudaAttentionMetadata, out, stream):
+        """Gather each prefill's K/V into packed rows, then torch's flash varlen forward
+        (causal aligned bottom-right, so chunks and prefix hits attend their whole context)."""
+        nd, npf, ndt = md.num_decodes, md.num_prefills, md.num_decode_tokens
+        device = query.device
+        q = query[ndt:]
+        cu_q = md.query_start_loc[nd : nd + npf + 1] - ndt
+        cu_k = torch.zeros(npf + 1, dtype=torch.int32, device=device)
+        cu_k[1:] = torch.cumsum(md.context_lens[nd : nd + npf], 0, dtype=torch.int32)
+        rows = npf * md.max_context_len  # upper bound of the packed K/V rows (host ints only)
+        k = torch.empty((rows, self.num_kv_heads, self.head_dim), dtype=query.dtype, device=device)
+        v = torch.empty_like(k)
+        ops.gather_kv(
+            key_cache,
+            value_cache,
+            k,
+            v,
+            md.block_tables,
+            md.context_lens,
+            cu_k,
+            nd,
+            npf,
+            md.max_context_len,
+            self._bs_shift,
+            stream,
+        )
+        kwargs = {"scale": self.scale}
+        if self.sliding_window:
+            kwargs.update(window_size_left=self.sliding_window - 1, window_size_right=0)
+        result = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, md.max_query_len, md.max_context_len, 0.0, True, False, **kwargs
+        )
+        out[ndt:].copy_(result[0])

@@ -1,0 +1,1001 @@
+// Paged attention kernels for inflightllm (compiled at run time by CuPy RawModule / NVRTC).
+//
+// Cache layout (per layer): K and V each [num_blocks, block_size, num_kv_heads, D], contiguous;
+// a token's slot is block * block_size + offset, its row starts at (slot * num_kv_heads + kvh) * D.
+// Block sizes are powers of two (passed as log2). All accumulation is fp32.
+//
+// Kernels:
+//   reshape_and_cache<VT>          new K/V rows -> cache slots (VT = uint4 for 16-byte copies)
+//   gather_kv                      paged K/V of the prefill sequences -> packed rows (flash path)
+//   paged_decode_v2<T, D, MAXG>    flash-decoding (default): one block per (kv head, head group, seq,
+//                                  split), register online softmax, no barriers in the token loop
+//   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
+//   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
+//   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
+//   prefill_mma<T, D>              prefill / chunked prefill, mma.sync m16n8k16 tensor cores (fp16/bf16)
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long i64;
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
+
+// ---------------------------------------------------------------------------------------------
+// Conversions
+template <typename T> struct Cvt;
+template <> struct Cvt<float> {
+    static __device__ __forceinline__ float to(float x) { return x; }
+    static __device__ __forceinline__ float from(float x) { return x; }
+};
+template <> struct Cvt<__half> {
+    static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+};
+template <> struct Cvt<__nv_bfloat16> {
+    static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+};
+
+// 16 bytes -> 16/sizeof(T) floats
+template <typename T> __device__ __forceinline__ void unpack16(const uint4& u, float* f);
+template <> __device__ __forceinline__ void unpack16<float>(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void bf16x2_to_f(u32 w, float* f) {
+    f[0] = __uint_as_float(w << 16);
+    f[1] = __uint_as_float(w & 0xffff0000u);
+}
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& u, float* f) {
+    bf16x2_to_f(u.x, f); bf16x2_to_f(u.y, f + 2); bf16x2_to_f(u.z, f + 4); bf16x2_to_f(u.w, f + 6);
+}
+__device__ __forceinline__ void h2_to_f(u32 w, float* f) {
+    __half2 h = *reinterpret_cast<__half2*>(&w);
+    float2 r = __half22float2(h);
+    f[0] = r.x; f[1] = r.y;
+}
+template <> __device__ __forceinline__ void unpack16<__half>(const uint4& u, float* f) {
+    h2_to_f(u.x, f); h2_to_f(u.y, f + 2); h2_to_f(u.z, f + 4); h2_to_f(u.w, f + 6);
+}
+
+// two floats -> packed 2 x 16-bit (low half = first)
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// reshape_and_cache: key/value [num_tokens, kvh, D] (strides in VT units, last dim contiguous)
+// -> caches at slot_mapping[token] (skipped when < 0). row_vt = D * sizeof(T) / sizeof(VT).
+template <typename VT>
+__global__ void reshape_and_cache(const VT* __restrict__ key, const VT* __restrict__ value,
+                                  VT* __restrict__ key_cache, VT* __restrict__ value_cache,
+                                  const i64* __restrict__ slot_mapping,
+                                  i64 k_stok, i64 k_shead, i64 v_stok, i64 v_shead,
+                                  int num_kv_heads, int row_vt) {
+    const int tok = blockIdx.x;
+    const i64 slot = slot_mapping[tok];
+    if (slot < 0) return;
+    const int n = num_kv_heads * row_vt;
+    const VT* kp = key + (i64)tok * k_stok;
+    const VT* vp = value + (i64)tok * v_stok;
+    VT* kd = key_cache + slot * n;
+    VT* vd = value_cache + slot * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int h = i / row_vt;
+        const int d = i - h * row_vt;
+        kd[i] = kp[h * k_shead + d];
+        vd[i] = vp[h * v_shead + d];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gather_kv: rows 0..ctx-1 of each prefill sequence p (seq = num_decodes + p) -> packed
+// [cu_k[p] + row]. row_vec = num_kv_heads * D * sizeof(T) / 16. grid (ceil(max_ctx/32), num_prefills).
+__global__ void gather_kv(const uint4* __restrict__ key_cache, const uint4* __restrict__ value_cache,
+                          uint4* __restrict__ key_out, uint4* __restrict__ value_out,
+                          const int* __restrict__ block_tables, int bt_stride,
+                          const int* __restrict__ context_lens, const int* __restrict__ cu_k,
+                          int num_decodes, int bs_shift, int row_vec) {
+    const int p = blockIdx.y;
+    const int seq = num_decodes + p;
+    const int ctx = context_lens[seq];
+    const i64 dst0 = cu_k[p];
+    const int r0 = blockIdx.x * 32;
+    if (r0 >= ctx) return;
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    for (int i = threadIdx.x; i < 32 * row_vec; i += blockDim.x) {
+        const int r = r0 + i / row_vec;
+        const int c = i % row_vec;
+        if (r < ctx) {
+            const i64 slot = ((i64)bt[r >> bs_shift] << bs_shift) + (r & bs_mask);
+            key_out[(dst0 + r) * row_vec + c] = key_cache[slot * row_vec + c];
+            value_out[(dst0 + r) * row_vec + c] = value_cache[slot * row_vec + c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash-decoding. grid (num_kv_heads * groups_per_kv, num_decodes, Z), DEC_THREADS threads.
+// Each block: up to MAXG query heads of one GQA group (K/V read once for all of them), one
+// sequence, one split of its attended range [start, ctx) (start = ctx - window with a window).
+// Z == 1: writes the normalised output directly. Z > 1: writes the unnormalised partial
+// output + running max (log2 domain) + sum per split; decode_reduce combines them.
+#define DEC_THREADS 128
+#define DEC_WARPS 4
+#define DEC_CHUNK 256
+#define DEC_UNROLL 4
+
+// An empty split (or a context of 0): zeros to the output (Z == 1), else a neutral partial
+// (max -inf, sum 0, partial output 0) so that decode_reduce can combine splits unconditionally.
+template <typename T, int D>
+__device__ __forceinline__ void decode_empty_split(T* out, float* part_out, float* part_m, float* part_l,
+                                                   int seq, int num_heads, int head0, int ng, int split,
+                                                   int Z, int tid) {
+    if (Z == 1) {
+        for (int i = tid; i < ng * D; i += DEC_THREADS)
+            out[((i64)seq * num_heads + head0) * D + i] = Cvt<T>::from(0.f);
+        return;
+    }
+    for (int i = tid; i < ng * D; i += DEC_THREADS) {
+        const int g = i / D;
+        const i64 hrow = (i64)seq * num_heads + head0 + g;
+        part_out[(hrow * Z + split) * D + (i - g * D)] = 0.f;
+    }
+    if (tid < ng) {
+        const i64 idx = ((i64)seq * num_heads + head0 + tid) * Z + split;
+        part_m[idx] = neg_inf();
+        part_l[idx] = 0.f;
+    }
+}
+
+template <typename T, int D, int MAXG>
+__global__ void __launch_bounds__(DEC_THREADS)
+paged_decode(const T* __restrict__ q, i64 q_stok, i64 q_shead,
+             const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+             const int* __restrict__ block_tables, int bt_stride,
+             const int* __restrict__ context_lens,
+             T* __restrict__ out,
+             float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
+             int num_heads, int num_kv_heads, int group, int groups_per_kv,
+             int bs_shift, int window, float scale_log2) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int TPK = D / VEC;            // threads per key row
+    constexpr int KPI = DEC_THREADS / TPK;  // key rows per block iteration
+    constexpr int SBUF = (MAXG * DEC_CHUNK > DEC_WARPS * MAXG * D) ? MAXG * DEC_CHUNK : DEC_WARPS * MAXG * D;
+    static_assert(TPK <= 32 && (32 % TPK) == 0, "head_dim / dtype");
+
+    __shared__ float s_buf[SBUF];
+    __shared__ int s_bt[DEC_CHUNK + 1];
+    __shared__ float s_m[MAXG], s_l[MAXG], s_corr[MAXG];
+
+    const int kvh = blockIdx.x / groups_per_kv;
+    const int hg = blockIdx.x - kvh * groups_per_kv;
+    const int g0 = hg * MAXG;
+    const int ng = min(MAXG, group - g0);
+    const int head0 = kvh * group + g0;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int Z = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int piece = tid % TPK, kg = tid / TPK;
+    const bool direct = (Z == 1);
+
+    const int ctx = context_lens[seq];
+    const int start = (window > 0) ? max(0, ctx - window) : 0;
+    const int n = ctx - start;
+    int per = (n + Z - 1) / Z;
+    per = (per + 31) & ~31;
+    const int r0 = start + split * per;
+    const int r1 = min(ctx, r0 + per);
+
+    if (r0 >= r1) {  // empty split (or ctx == 0)
+        decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, Z, tid);
+        return;
+    }
+
+    // query slice of this thread, pre-scaled into the log2 domain
+    float qr[MAXG][VEC];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < ng) {
+            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + g) * q_shead + piece * VEC;
+            uint4 u = *reinterpret_cast<const uint4*>(qp);
+            unpack16<T>(u, qr[g]);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) qr[g][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) qr[g][i] = 0.f;
+        }
+    }
+    float acc[MAXG][VEC];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+    if (tid < MAXG) { s_m[tid] = neg_inf(); s_l[tid] = 0.f; }
+
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const i64 row_stride = (i64)num_kv_heads * D;
+    const T* kbase = key_cache + (i64)kvh * D + piece * VEC;
+    const T* vbase = value_cache + (i64)kvh * D + piece * VEC;
+
+    for (int c0 = r0; c0 < r1; c0 += DEC_CHUNK) {
+        const int c1 = min(r1, c0 + DEC_CHUNK);
+        const int cn = c1 - c0;
+        const int b0 = c0 >> bs_shift;
+        const int nb = ((c1 - 1) >> bs_shift) - b0 + 1;
+        for (int i = tid; i < nb; i += DEC_THREADS) s_bt[i] = bt[b0 + i];
+        __syncthreads();
+
+        // phase A: logits of this chunk
+        for (int tb = 0; tb < cn; tb += KPI * DEC_UNROLL) {
+            uint4 kv[DEC_UNROLL];
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; ++u) {
+                const int tt = tb + u * KPI + kg;
+                if (tt < cn) {
+                    const int pos = c0 + tt;
+                    const i64 slot = ((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask);
+                    kv[u] = __ldg(reinterpret_cast<const uint4*>(kbase + slot * row_stride));
+                } else {
+                    kv[u] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; ++u) {
+                const int tt = tb + u * KPI + kg;
+                float kf[VEC];
+                unpack16<T>(kv[u], kf);
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) s = fmaf(qr[g][i], kf[i], s);
+#pragma unroll
+                    for (int o = TPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+                    if (piece == 0 && tt < cn && g < ng) s_buf[g * DEC_CHUNK + tt] = s;
+                }
+            }
+        }
+        __syncthreads();
+
+        // phase B: online softmax bookkeeping, one warp per head
+        for (int g = warp; g < ng; g += DEC_WARPS) {
+            float mx = neg_inf();
+            for (int i = lane; i < cn; i += 32) mx = fmaxf(mx, s_buf[g * DEC_CHUNK + i]);
+            mx = warp_max(mx);
+            const float m_old = s_m[g];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.f;
+            for (int i = lane; i < cn; i += 32) {
+                const float p = exp2f(s_buf[g * DEC_CHUNK + i] - m_new);
+                s_buf[g * DEC_CHUNK + i] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float corr = exp2f(m_old - m_new);
+                s_corr[g] = corr;
+                s_l[g] = s_l[g] * corr + sum;
+                s_m[g] = m_new;
+            }
+        }
+        __syncthreads();
+
+        // phase C: accumulate P V
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            const float c = (g < ng) ? s_corr[g] : 1.f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[g][i] *= c;
+        }
+        for (int tb = 0; tb < cn; tb += KPI * DEC_UNROLL) {
+            uint4 vv[DEC_UNROLL];
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; ++u) {
+                const int tt = tb + u * KPI + kg;
+                if (tt < cn) {
+                    const int pos = c0 + tt;
+                    const i64 slot = ((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask);
+                    vv[u] = __ldg(reinterpret_cast<const uint4*>(vbase + slot * row_stride));
+                } else {
+                    vv[u] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; ++u) {
+                const int tt = tb + u * KPI + kg;
+                if (tt < cn) {
+                    float vf[VEC];
+                    unpack16<T>(vv[u], vf);
+#pragma unroll
+                    for (int g = 0; g < MAXG; ++g) {
+                        if (g < ng) {
+                            const float p = s_buf[g * DEC_CHUNK + tt];
+#pragma unroll
+                            for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // reduce the key groups: inside the warp by shuffles, across warps through shared memory
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            float v = acc[g][i];
+#pragma unroll
+            for (int o = TPK; o < 32; o <<= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+            acc[g][i] = v;
+        }
+    if (lane < TPK) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g)
+            if (g < ng) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) s_buf[(warp * MAXG + g) * D + piece * VEC + i] = acc[g][i];
+            }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
+        const int g = idx / D;
+        const int d = idx - g * D;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) v += s_buf[(w * MAXG + g) * D + d];
+        const i64 hrow = (i64)seq * num_heads + head0 + g;
+        if (direct) {
+            out[hrow * D + d] = Cvt<T>::from(v / s_l[g]);
+        } else {
+            part_out[(hrow * Z + split) * D + d] = v;
+            if (d == 0) {
+                part_m[hrow * Z + split] = s_m[g];
+                part_l[hrow * Z + split] = s_l[g];
+            }
+        }
+    }
+}
+
+// The first reduce (used with paged_decode "v1"): each thread walks the splits itself.
+template <typename T, int D>
+__global__ void __launch_bounds__(D)
+decode_reduce_v1(const float* __restrict__ part_out, const float* __restrict__ part_m,
+                 const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z) {
+    const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+    const i64 hrow = (i64)seq * num_heads + head;
+    const float* pm = part_m + hrow * Z;
+    const float* pl = part_l + hrow * Z;
+    float M = neg_inf();
+    for (int i = 0; i < Z; ++i) M = fmaxf(M, pm[i]);
+    float acc = 0.f, L = 0.f;
+    for (int i = 0; i < Z; ++i) {
+        const float l = pl[i];
+        if (l > 0.f) {
+            const float w = exp2f(pm[i] - M);
+            L = fmaf(w, l, L);
+            acc = fmaf(w, part_out[(hrow * Z + i) * D + d], acc);
+        }
+    }
+    out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
+}
+
+// grid (num_heads, num_decodes), D threads. Z <= RED_MAXZ. Weights of the splits first (in
+// shared memory), then each thread sums its dimension over the splits with independent loads.
+#define RED_MAXZ 1024
+template <typename T, int D>
+__global__ void __launch_bounds__(D)
+decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part_m,
+              const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z) {
+    constexpr int NW = D / 32;
+    __shared__ float s_w[RED_MAXZ];
+    __shared__ float s_r[NW];
+    const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+    const int lane = d & 31, warp = d >> 5;
+    const i64 hrow = (i64)seq * num_heads + head;
+    const float* pm = part_m + hrow * Z;
+    const float* pl = part_l + hrow * Z;
+    float mx = neg_inf();
+    for (int i = d; i < Z; i += D) mx = fmaxf(mx, pm[i]);
+    mx = warp_max(mx);
+    if (lane == 0) s_r[warp] = mx;
+    __syncthreads();
+    float M = s_r[0];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_r[w]);
+    const float M_use = (M == neg_inf()) ? 0.f : M;
+    float ls = 0.f;
+    for (int i = d; i < Z; i += D) {
+        const float l = pl[i];
+        const float w = (l > 0.f) ? exp2f(pm[i] - M_use) : 0.f;
+        s_w[i] = w;
+        ls = fmaf(w, l, ls);
+    }
+    ls = warp_sum(ls);
+    __syncthreads();  // s_r reads done, s_w written
+    if (lane == 0) s_r[warp] = ls;
+    __syncthreads();
+    float L = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) L += s_r[w];
+    const float* po = part_out + hrow * Z * D + d;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < Z; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
+    out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash-decoding, version 2: the same grid and outputs as paged_decode, but no shared-memory
+// logits and no barriers in the token loop. Each group of TPK threads (one 16-byte slice of a
+// K/V row each) walks its tokens U at a time: K and V of U tokens are loaded together (2U
+// 16-byte loads in flight per thread), scores are reduced inside the group by shuffles, and the
+// group keeps its own running max / sum / output (online softmax, rescaled once per U tokens).
+// The groups are merged at the end (shuffles inside a warp, shared memory across warps).
+#define DEC2_CHUNK 1024  // tokens per refresh of the block-table slice in shared memory
+
+template <typename T, int D, int MAXG>
+__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4))
+paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
+                const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+                const int* __restrict__ block_tables, int bt_stride,
+                const int* __restrict__ context_lens,
+                T* __restrict__ out,
+                float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
+                int num_heads, int num_kv_heads, int group, int groups_per_kv,
+                int bs_shift, int window, float scale_log2) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int TPK = D / VEC;
+    constexpr int KPI = DEC_THREADS / TPK;
+    constexpr int U = (MAXG >= 8) ? 2 : 4;
+    static_assert(TPK <= 32 && (32 % TPK) == 0, "head_dim / dtype");
+
+    __shared__ int s_bt[DEC2_CHUNK + 1];
+    __shared__ float s_red[DEC_WARPS * MAXG * D];
+    __shared__ float s_ml[DEC_WARPS * MAXG * 2];
+
+    const int kvh = blockIdx.x / groups_per_kv;
+    const int hg = blockIdx.x - kvh * groups_per_kv;
+    const int g0 = hg * MAXG;
+    const int ng = min(MAXG, group - g0);
+    const int head0 = kvh * group + g0;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int Z = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int piece = tid % TPK, kg = tid / TPK;
+
+    const int ctx = context_lens[seq];
+    const int start = (window > 0) ? max(0, ctx - window) : 0;
+    const int n = ctx - start;
+    int per = (n + Z - 1) / Z;
+    per = (per + 31) & ~31;
+    const int r0 = start + split * per;
+    const int r1 = min(ctx, r0 + per);
+    if (r0 >= r1) {
+        decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, Z, tid);
+        return;
+    }
+
+    float qr[MAXG][VEC];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < ng) {
+            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + g) * q_shead + piece * VEC;
+            uint4 u = *reinterpret_cast<const uint4*>(qp);
+            unpack16<T>(u, qr[g]);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) qr[g][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) qr[g][i] = 0.f;
+        }
+    }
+    float m[MAXG], l[MAXG], acc[MAXG][VEC];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+    }
+
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const i64 row_stride = (i64)num_kv_heads * D;
+    const T* kbase = key_cache + (i64)kvh * D + piece * VEC;
+    const T* vbase = value_cache + (i64)kvh * D + piece * VEC;
+
+    for (int c0 = r0; c0 < r1; c0 += DEC2_CHUNK) {
+        const int c1 = min(r1, c0 + DEC2_CHUNK);
+        const int cn = c1 - c0;
+        const int b0 = c0 >> bs_shift;
+        const int nb = ((c1 - 1) >> bs_shift) - b0 + 1;
+        __syncthreads();  // the previous slice is no longer read
+        for (int i = tid; i < nb; i += DEC_THREADS) s_bt[i] = bt[b0 + i];
+        __syncthreads();
+
+        for (int tb = 0; tb < cn; tb += KPI * U) {
+            uint4 kv[U], vv[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int tt = tb + u * KPI + kg;
+                if (tt < cn) {
+                    const int pos = c0 + tt;
+                    const i64 off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
+                    kv[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
+                    vv[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+                } else {
+                    kv[u] = make_uint4(0u, 0u, 0u, 0u);
+                    vv[u] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+            float s[U][MAXG];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const bool valid = tb + u * KPI + kg < cn;
+                float kf[VEC];
+                unpack16<T>(kv[u], kf);
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g) {
+                    float x = 0.f;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) x = fmaf(qr[g][i], kf[i], x);
+#pragma unroll
+                    for (int o = TPK / 2; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+                    s[u][g] = valid ? x : neg_inf();
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                float mx = s[0][g];
+#pragma unroll
+                for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+                const float m_new = fmaxf(m[g], mx);
+                const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+                const float corr = exp2f(m[g] - m_use);
+                m[g] = m_new;
+                float lsum = l[g] * corr;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    s[u][g] = exp2f(s[u][g] - m_use);
+                    lsum += s[u][g];
+                }
+                l[g] = lsum;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[g][i] *= corr;
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float vf[VEC];
+                unpack16<T>(vv[u], vf);
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+            }
+        }
+    }
+
+    // merge the key groups of each warp (lanes piece, piece + TPK, ...)
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        float M = m[g];
+#pragma unroll
+        for (int o = TPK; o < 32; o <<= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+        const float M_use = (M == neg_inf()) ? 0.f : M;
+        const float w = exp2f(m[g] - M_use);
+        float lw = l[g] * w;
+#pragma unroll
+        for (int o = TPK; o < 32; o <<= 1) lw += __shfl_xor_sync(FULL_MASK, lw, o);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            float a = acc[g][i] * w;
+#pragma unroll
+            for (int o = TPK; o < 32; o <<= 1) a += __shfl_xor_sync(FULL_MASK, a, o);
+            acc[g][i] = a;
+        }
+        m[g] = M;
+        l[g] = lw;
+    }
+    if (lane < TPK) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g)
+            if (g < ng) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) s_red[(warp * MAXG + g) * D + piece * VEC + i] = acc[g][i];
+                if (piece == 0) {
+                    s_ml[(warp * MAXG + g) * 2] = m[g];
+                    s_ml[(warp * MAXG + g) * 2 + 1] = l[g];
+                }
+            }
+    }
+    __syncthreads();
+    // merge the warps
+    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
+        const int g = idx / D;
+        const int d = idx - g * D;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_ml[(w * MAXG + g) * 2]);
+        const float M_use = (M == neg_inf()) ? 0.f : M;
+        float L = 0.f, v = 0.f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            const float wt = exp2f(s_ml[(w * MAXG + g) * 2] - M_use);
+            L = fmaf(wt, s_ml[(w * MAXG + g) * 2 + 1], L);
+            v = fmaf(wt, s_red[(w * MAXG + g) * D + d], v);
+        }
+        const i64 hrow = (i64)seq * num_heads + head0 + g;
+        if (Z == 1) {
+            out[hrow * D + d] = Cvt<T>::from(v / L);
+        } else {
+            part_out[(hrow * Z + split) * D + d] = v;
+            if (d == 0) {
+                part_m[hrow * Z + split] = M;
+                part_l[hrow * Z + split] = L;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill / chunked prefill, FMA path. grid (ceil(max_query_len / PF_QT), num_heads, num_prefills),
+// 128 threads; warp w owns query rows 4w..4w+3 of the tile; lane j scores key j of a 32-key tile.
+#define PF_QT 16
+#define PF_KT 32
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+prefill_fma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
+            const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+            const int* __restrict__ block_tables, int bt_stride,
+            const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
+            T* __restrict__ out, int num_decodes, int num_heads, int num_kv_heads,
+            int bs_shift, int window, float scale_log2) {
+    constexpr int DPL = D / 32;
+    __shared__ float sQ[PF_QT][D];
+    __shared__ float sK[PF_KT][D + 1];
+    __shared__ float sV[PF_KT][D];
+
+    const int seq = num_decodes + blockIdx.z;
+    const int head = blockIdx.y;
+    const int kvh = head / (num_heads / num_kv_heads);
+    const int qs = query_start_loc[seq];
+    const int ql = query_start_loc[seq + 1] - qs;
+    const int ctx = context_lens[seq];
+    const int m0 = blockIdx.x * PF_QT;
+    if (m0 >= ql) return;
+    const int first = ctx - ql;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    for (int idx = tid; idx < PF_QT * D; idx += 128) {
+        const int r = idx / D, d = idx - (idx / D) * D;
+        float v = 0.f;
+        if (m0 + r < ql) v = Cvt<T>::to(q[(i64)(qs + m0 + r) * q_stok + (i64)head * q_shead + d]) * scale_log2;
+        sQ[r][d] = v;
+    }
+    const int qpos_lo = first + m0;
+    const int qpos_hi = first + min(ql, m0 + PF_QT) - 1;
+    const int kend = qpos_hi + 1;
+    const int kbeg = (window > 0) ? max(0, qpos_lo - window + 1) : 0;
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+
+    float acc[4][DPL], m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        m[r] = neg_inf(); l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
+    }
+
+    for (int k0 = kbeg; k0 < kend; k0 += PF_KT) {
+        __syncthreads();
+        for (int idx = tid; idx < PF_KT * D; idx += 128) {
+            const int j = idx / D, d = idx - (idx / D) * D;
+            const int pos = k0 + j;
+            float kv = 0.f, vv = 0.f;
+            if (pos < kend) {
+                const i64 slot = ((i64)bt[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
+                const i64 a = (slot * num_kv_heads + kvh) * D + d;
+                kv = Cvt<T>::to(key_cache[a]);
+                vv = Cvt<T>::to(value_cache[a]);
+            }
+            sK[j][d] = kv;
+            sV[j][d] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = warp * 4 + r;
+            const int qpos = first + m0 + row;
+            float s = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < D; ++d) s = fmaf(sQ[row][d], sK[lane][d], s);
+            const int pos = k0 + lane;
+            const bool valid = pos < kend && pos <= qpos && (window <= 0 || pos > qpos - window);
+            s = valid ? s : neg_inf();
+            const float m_new = fmaxf(m[r], warp_max(s));
+            const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+            const float p = exp2f(s - m_use);
+            const float corr = exp2f(m[r] - m_use);
+            l[r] = l[r] * corr + warp_sum(p);
+            m[r] = m_new;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[r][i] *= corr;
+#pragma unroll 4
+            for (int j = 0; j < PF_KT; ++j) {
+                const float pj = __shfl_sync(FULL_MASK, p, j);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[r][i] = fmaf(pj, sV[j][lane + 32 * i], acc[r][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = warp * 4 + r;
+        if (m0 + row < ql) {
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            T* op = out + ((i64)(qs + m0 + row) * num_heads + head) * D;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) op[lane + 32 * i] = Cvt<T>::from(acc[r][i] * inv);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill / chunked prefill on tensor cores (fp16 / bf16), flash-attention-2 style.
+// grid (ceil(max_query_len / 64), num_heads, num_prefills), 128 threads (4 warps x 16 query rows).
+// Q tile in registers (A fragments); K and V tiles of 64 keys read from the paged cache through the
+// block table with cp.async into shared memory (K double-buffered against V); S = Q K^T and
+// O += P V with mma.sync.m16n8k16 (fp32 accumulate); online softmax in fp32 registers.
+#define PM_M 64
+#define PM_N 64
+
+template <typename T> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(smem)));
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
+            const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+            const int* __restrict__ block_tables, int bt_stride,
+            const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
+            T* __restrict__ out, int num_decodes, int num_heads, int num_kv_heads,
+            int bs_shift, int window, float scale_log2) {
+    constexpr int LDS = D + 8;  // padded row (elements): conflict-free fragment loads / ldmatrix
+    constexpr int CPR = D / 8;  // 16-byte chunks per row
+    __shared__ __align__(16) T sK[PM_N * LDS];  // holds the Q tile first
+    __shared__ __align__(16) T sV[PM_N * LDS];
+
+    const int seq = num_decodes + blockIdx.z;
+    const int head = blockIdx.y;
+    const int kvh = head / (num_heads / num_kv_heads);
+    const int qs = query_start_loc[seq];
+    const int ql = query_start_loc[seq + 1] - qs;
+    const int ctx = context_lens[seq];
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * PM_M;  // heaviest (latest) tiles first
+    if (m0 >= ql) return;
+    const int first = ctx - ql;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int wr = warp * 16;
+
+    // Q tile -> shared -> A fragments
+    for (int c = tid; c < PM_M * CPR; c += 128) {
+        const int r = c / CPR, p = c - (c / CPR) * CPR;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m0 + r < ql)
+            v = *reinterpret_cast<const uint4*>(q + (i64)(qs + m0 + r) * q_stok + (i64)head * q_shead + p * 8);
+        *reinterpret_cast<uint4*>(&sK[r * LDS + p * 8]) = v;
+    }
+    __syncthreads();
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        qf[kk][0] = *reinterpret_cast<const u32*>(&sK[(wr + g) * LDS + kk * 16 + 2 * t4]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&sK[(wr + g + 8) * LDS + kk * 16 + 2 * t4]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&sK[(wr + g) * LDS + kk * 16 + 8 + 2 * t4]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&sK[(wr + g + 8) * LDS + kk * 16 + 8 + 2 * t4]);
+    }
+    __syncthreads();
+
+    const int qpos_lo = first + m0;
+    const int qpos_hi = first + min(ql, m0 + PM_M) - 1;
+    const int kend = qpos_hi + 1;
+    const int kbeg = (window > 0) ? max(0, qpos_lo - window + 1) : 0;
+    const int ntiles = (kend - kbeg + PM_N - 1) / PM_N;
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const i64 row_stride = (i64)num_kv_heads * D;
+
+    auto load_tile = [&](T* dst, const T* cache, int k0) {
+        for (int c = tid; c < PM_N * CPR; c += 128) {
+            const int r = c / CPR, p = c - (c / CPR) * CPR;
+            const int pos = k0 + r;
+            T* d = dst + r * LDS + p * 8;
+            if (pos < kend) {
+                const i64 slot = ((i64)bt[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
+                cp_async16(d, cache + slot * row_stride + (i64)kvh * D + p * 8);
+            } else {
+                *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow0 = neg_inf(), mrow1 = neg_inf(), lrow0 = 0.f, lrow1 = 0.f;
+    const int qp0 = first + m0 + wr + g;
+    const int qp1 = qp0 + 8;
+
+    load_tile(sK, key_cache, kbeg);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; ++it) {
+        const int k0 = kbeg + it * PM_N;
+        load_tile(sV, value_cache, k0);
+        cp_async_commit();
+        cp_async_wait<1>();  // K(it) has landed
+        __syncthreads();
+
+        float s[PM_N / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
+                const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
+                mma16816<T>(s[nt], qf[kk], b0, b1);
+            }
+        }
+        __syncthreads();  // every warp is done with sK
+        if (it + 1 < ntiles) load_tile(sK, key_cache, k0 + PM_N);
+        cp_async_commit();  // possibly empty group: keeps the wait counts uniform
+
+        const bool need_mask = (k0 + PM_N - 1 > qpos_lo) || (window > 0 && k0 <= qpos_hi - window);
+        float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = s[nt][e] * scale_log2;
+                if (need_mask) {
+                    const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+                    const int qp = (e < 2) ? qp0 : qp1;
+                    const bool valid = col <= qp && (window <= 0 || col > qp - window);
+                    v = valid ? v : neg_inf();
+                }
+                s[nt][e] = v;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+        const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
+        const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
+        const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
+        const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
+        mrow0 = mn0; mrow1 = mn1;
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - mu0);
+            s[nt][1] = exp2f(s[nt][1] - mu0);
+            s[nt][2] = exp2f(s[nt][2] - mu1);
+            s[nt][3] = exp2f(s[nt][3] - mu1);
+            ls0 += s[nt][0] + s[nt][1];
+            ls1 += s[nt][2] + s[nt][3];
+        }
+        lrow0 = lrow0 * corr0 + ls0;
+        lrow1 = lrow1 * corr1 + ls1;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[dt][0] *= corr0; o[dt][1] *= corr0;
+            o[dt][2] *= corr1; o[dt][3] *= corr1;
+        }
+
+        cp_async_wait<1>();  // V(it) has landed (only K(it+1) may be in flight)
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < PM_N / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const int mi = lane >> 3, rr = lane & 7;
+            const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vrow + dp * 16);
+                mma16816<T>(o[2 * dp], a, b[0], b[1]);
+                mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with sV
+    }
+    cp_async_wait<0>();
+
+    lrow0 += __shfl_xor_sync(FULL_MASK, lrow0, 1);
+    lrow0 += __shfl_xor_sync(FULL_MASK, lrow0, 2);
+    lrow1 += __shfl_xor_sync(FULL_MASK, lrow1, 1);
+    lrow1 += __shfl_xor_sync(FULL_MASK, lrow1, 2);
+    const float inv0 = lrow0 > 0.f ? 1.f / lrow0 : 0.f;
+    const float inv1 = lrow1 > 0.f ? 1.f / lrow1 : 0.f;
+    const int row0 = m0 + wr + g, row1 = row0 + 8;
+    if (row0 < ql) {
+        T* op = out + ((i64)(qs + row0) * num_heads + head) * D + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<u32*>(op + dt * 8) = pack2<T>(o[dt][0] * inv0, o[dt][1] * inv0);
+    }
+    if (row1 < ql) {
+        T* op = out + ((i64)(qs + row1) * num_heads + head) * D + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<u32*>(op + dt * 8) = pack2<T>(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+}

@@ -1,0 +1,343 @@
+"""Launch wrappers for the CUDA kernels in kernels.cu (compiled by CuPy RawModule / NVRTC).
+
+CuPy is imported lazily, inside functions, so importing this module needs neither CuPy nor
+a GPU. Every launch goes on torch's current stream (captured by torch CUDA graphs), takes
+only host ints and device pointers, does no host synchronisation and allocates nothing.
+Kernel arguments are passed as NumPy scalars of the exact C type.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
+COMPILE_OPTIONS = ("-std=c++17",)
+
+CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+DECODE_MAXG = (
+    1,
+    2,
+    4,
+    8,
+)  # query heads per decode block (a GQA group is split into chunks of these)
+HEAD_DIMS = (64, 128)
+DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2"}  # see docs/CUDA-KERNELS.md
+DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce"}
+MAX_SPLITS = 1024  # RED_MAXZ in kernels.cu
+DECODE_THREADS = 128
+PREFILL_MMA_M = 64
+PREFILL_FMA_M = 16
+_RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+
+
+@functools.cache
+def _source() -> str:
+    return KERNEL_SOURCE.read_text()
+
+
+def _raw_module(names: tuple[str, ...]):
+    import cupy
+
+    return cupy.RawModule(code=_source(), options=COMPILE_OPTIONS, name_expressions=names)
+
+
+class _Functions:
+    """One compiled module and its kernels, fetched once."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.module = _raw_module(names)
+        self._cache: dict[str, object] = {}
+
+    def __getitem__(self, name: str):
+        fn = self._cache.get(name)
+        if fn is None:
+            fn = self._cache[name] = self.module.get_function(name)
+        return fn
+
+
+def _release_modules() -> None:
+    """Unload the compiled modules before interpreter teardown (CuPy's driver bindings may be
+    gone by the time the cached modules would be collected)."""
+    common_module.cache_clear()
+    dtype_module.cache_clear()
+
+
+atexit.register(_release_modules)
+
+
+@functools.cache
+def common_module() -> _Functions:
+    names = tuple(f"reshape_and_cache<{vt}>" for vt in _RESHAPE_VT.values()) + ("gather_kv",)
+    return _Functions(names)
+
+
+@functools.cache
+def dtype_module(dtype: torch.dtype, head_dim: int) -> _Functions:
+    """Decode, reduce and prefill kernels for one (dtype, head_dim); compiled on first use."""
+    if dtype not in CTYPE:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim} (supported: {HEAD_DIMS})")
+    t = CTYPE[dtype]
+    names = [f"{k}<{t},{head_dim},{g}>" for k in DECODE_KERNELS.values() for g in DECODE_MAXG]
+    names += [f"{k}<{t},{head_dim}>" for k in DECODE_REDUCE_KERNELS.values()]
+    names.append(f"prefill_fma<{t},{head_dim}>")
+    if dtype != torch.float32:
+        names.append(f"prefill_mma<{t},{head_dim}>")
+    return _Functions(tuple(names))
+
+
+class _StreamRef:
+    """What CuPy's launch reads from a stream object: its handle."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def current_stream() -> _StreamRef:
+    return _StreamRef(torch.cuda.current_stream().cuda_stream)
+
+
+_STREAM_KWARG = [True]  # CuPy's kernel call takes stream=<object with .ptr>; else a stream context
+
+
+@functools.cache
+def _external_stream(ptr: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(ptr)
+
+
+def _launch(fn, grid, block, args, stream: _StreamRef) -> None:
+    grid = tuple(int(x) for x in grid)
+    assert min(grid) > 0, grid  # CuPy would round a zero grid up to one block
+    if _STREAM_KWARG[0]:
+        try:
+            fn(grid, (int(block),), args, stream=stream)
+            return
+        except (TypeError, AttributeError):
+            _STREAM_KWARG[0] = False
+    with _external_stream(stream.ptr):
+        fn(grid, (int(block),), args)
+
+
+def _p(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def decode_group_split(group: int) -> tuple[int, int]:
+    """(MAXG, blocks per kv head) for a GQA group of `group` query heads."""
+    for maxg in DECODE_MAXG:
+        if group <= maxg:
+            return maxg, 1
+    maxg = DECODE_MAXG[-1]
+    return maxg, -(-group // maxg)
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Last dim contiguous, base and the other strides on 16 bytes (for 16-byte vector loads)."""
+    esz = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((s * esz) % 16 == 0 for s in t.stride()[:-1])
+    )
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream) -> None:
+    """key/value [num_tokens, kvh, D] (any strides, last dim contiguous) -> cache slots."""
+    num_tokens, kvh, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    esz = key.element_size()
+    vec = 16 if (aligned16(key) and aligned16(value)) else esz
+    if (head_dim * esz) % vec:
+        vec = esz
+    ratio = vec // esz  # elements per vector
+    fn = common_module()[f"reshape_and_cache<{_RESHAPE_VT[vec]}>"]
+    args = (
+        _p(key),
+        _p(value),
+        _p(key_cache),
+        _p(value_cache),
+        _p(slot_mapping),
+        _i64(key.stride(0) // ratio),
+        _i64(key.stride(1) // ratio),
+        _i64(value.stride(0) // ratio),
+        _i64(value.stride(1) // ratio),
+        _i32(kvh),
+        _i32(head_dim // ratio),
+    )
+    _launch(fn, (num_tokens,), 128, args, stream)
+
+
+def decode_blocks_per_sm(maxg: int) -> int:
+    """Resident decode blocks per SM (the kernels' __launch_bounds__ minimum)."""
+    return 3 if maxg >= 8 else 4
+
+
+def paged_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    out,
+    num_decodes,
+    num_splits,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    bs_shift,
+    window,
+    scale,
+    stream,
+    variant="v2",
+) -> None:
+    """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
+
+    num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket."""
+    group = num_heads // num_kv_heads
+    maxg, per_kv = decode_group_split(group)
+    mod = dtype_module(query.dtype, head_dim)
+    assert 1 <= num_splits <= MAX_SPLITS
+    fn = mod[f"{DECODE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim},{maxg}>"]
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
+        )
+        part_ml = torch.empty(
+            (2, num_decodes, num_heads, num_splits), dtype=torch.float32, device=out.device
+        )
+        pm, pl = part_ml[0], part_ml[1]
+    else:
+        part_out = pm = pl = out  # unused
+    args = (
+        _p(query),
+        _i64(query.stride(0)),
+        _i64(query.stride(1)),
+        _p(key_cache),
+        _p(value_cache),
+        _p(block_tables),
+        _i32(block_tables.stride(0)),
+        _p(context_lens),
+        _p(out),
+        _p(part_out),
+        _p(pm),
+        _p(pl),
+        _i32(num_heads),
+        _i32(num_kv_heads),
+        _i32(group),
+        _i32(per_kv),
+        _i32(bs_shift),
+        _i32(window or 0),
+        np.float32(scale * np.log2(np.e)),
+    )
+    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream)
+    if num_splits > 1:
+        red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
+        args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
+        _launch(red, (num_heads, num_decodes), head_dim, args, stream)
+
+
+def prefill(
+    kind,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    out,
+    num_decodes,
+    num_prefills,
+    max_query_len,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    bs_shift,
+    window,
+    scale,
+    stream,
+) -> None:
+    """Prefill / chunked-prefill attention of sequences num_decodes.. (kind 'mma' or 'fma')."""
+    if num_prefills == 0 or max_query_len == 0:
+        return
+    mod = dtype_module(query.dtype, head_dim)
+    fn = mod[f"prefill_{kind}<{CTYPE[query.dtype]},{head_dim}>"]
+    tile = PREFILL_MMA_M if kind == "mma" else PREFILL_FMA_M
+    args = (
+        _p(query),
+        _i64(query.stride(0)),
+        _i64(query.stride(1)),
+        _p(key_cache),
+        _p(value_cache),
+        _p(block_tables),
+        _i32(block_tables.stride(0)),
+        _p(context_lens),
+        _p(query_start_loc),
+        _p(out),
+        _i32(num_decodes),
+        _i32(num_heads),
+        _i32(num_kv_heads),
+        _i32(bs_shift),
+        _i32(window or 0),
+        np.float32(scale * np.log2(np.e)),
+    )
+    grid = (-(-max_query_len // tile), num_heads, num_prefills)
+    _launch(fn, grid, 128, args, stream)
+
+
+def gather_kv(
+    key_cache,
+    value_cache,
+    key_out,
+    value_out,
+    block_tables,
+    context_lens,
+    cu_k,
+    num_decodes,
+    num_prefills,
+    max_context_len,
+    bs_shift,
+    stream,
+) -> None:
+    """Rows 0..ctx-1 of each prefill sequence's K/V -> packed [cu_k[p] + row] (16-byte rows)."""
+    if num_prefills == 0 or max_context_len == 0:
+        return
+    row_bytes = key_cache.shape[-2] * key_cache.shape[-1] * key_cache.element_size()
+    assert row_bytes % 16 == 0
+    fn = common_module()["gather_kv"]
+    args = (
+        _p(key_cache),
+        _p(value_cache),
+        _p(key_out),
+        _p(value_out),
+        _p(block_tables),
+        _i32(block_tables.stride(0)),
+        _p(context_lens),
+        _p(cu_k),
+        _i32(num_decodes),
+        _i32(bs_shift),
+        _i32(row_bytes // 16),
+    )
+    _launch(fn, (-(-max_context_len // 32), num_prefills), 128, args, stream)
