@@ -85,6 +85,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_steps_total: int
+    kv_usage_at_first_preemption: float | None = None  # blocks in use when the first preemption was needed
 
     @property
     def kv_usage(self) -> float:
@@ -396,4 +397,5 @@ class Engine:
             prompt_tokens_total=self._counters.prompt_tokens,
             generation_tokens_total=self._counters.generation_tokens,
             num_steps_total=self._counters.steps,
+            kv_usage_at_first_preemption=self.scheduler.kv_usage_at_first_preemption,
         )

@@ -68,6 +68,8 @@ class Scheduler:
         self._next_admission = 0
         self._head_seq = 0  # preempted requests go before every arrival
         self.num_preemptions = 0
+        # Fraction of the KV blocks in use when the first preemption was needed (None: never).
+        self.kv_usage_at_first_preemption: float | None = None
 
     # ---- queue ----------------------------------------------------------------------
     @staticmethod
@@ -97,6 +99,9 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
+        if self.kv_usage_at_first_preemption is None:
+            manager = self.block_manager
+            self.kv_usage_at_first_preemption = manager.num_used_blocks / manager.num_blocks
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0

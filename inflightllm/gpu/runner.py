@@ -1,0 +1,357 @@
+"""The CUDA model runner: persistent rows, preallocated device buffers, CUDA graphs.
+
+Each running request owns a row of host arrays (its token ids, block table, counts),
+written when it joins and appended to as it grows. A step's inputs (token ids,
+positions, slot mapping, block tables, context lengths, query offsets) are built from
+those arrays with vectorised NumPy, with no per-sequence loop and no gathering of whole
+contexts, and copied into static device buffers. Decodes come first in the packed
+batch. A decode-only step of up to `max_batch_size` requests replays a CUDA graph
+captured for the smallest bucket that holds it (1, 2, 4, 8, 16, then every 16); other
+steps run eagerly. Sampling runs batched on the GPU with one host copy of the ids.
+
+The KV cache is sized after the weights are loaded and a step of the largest size (a
+`max_num_tokens` prefill, logits and sampling for `max_batch_size` rows) has run:
+`gpu_memory_utilization` of the device, less what the process holds and the step's
+peak activations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from inflightllm.config import EngineConfig
+from inflightllm.gpu import ops
+from inflightllm.gpu.sampler import GpuSampler
+from inflightllm.models.loader import LoadedModel
+from inflightllm.request import Request
+from inflightllm.step import SampledTokens, StepDescription
+
+logger = logging.getLogger(__name__)
+
+GRAPH_RESERVE_BYTES = 2 << 30  # CUDA-graph pools and workspaces left out of the KV budget
+
+
+def graph_buckets(max_batch_size: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, then every 16."""
+    buckets = [b for b in (1, 2, 4, 8, 16) if b < max_batch_size]
+    size = 16
+    while size + 16 < max_batch_size:
+        size += 16
+        buckets.append(size)
+    buckets.append(max_batch_size)
+    return sorted(set(buckets))
+
+
+class GpuModelRunner:
+    """Owns the model, the CUDA KV cache and the step buffers of one GPU."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int | None, sampler_seed: int | None):
+        from inflightllm.attention.cuda.backend import CudaPagedAttention
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = config
+        self.device = loaded.device
+        arch = loaded.arch
+        self.arch = arch
+        self.block_size = config.block_size
+        self.max_rows = config.max_batch_size
+        self.max_model_len = self.model.cos_sin.shape[0]  # gpu.model.model_len: context capped by the request limits
+        self.max_num_tokens = max(config.max_num_tokens, self.max_rows)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+
+        # Host state, one row per running request.
+        self.token_ids = np.zeros((self.max_rows, self.max_model_len), np.int64)
+        self.num_tokens = np.zeros(self.max_rows, np.int64)
+        self.num_computed = np.zeros(self.max_rows, np.int64)
+        self.block_table = np.zeros((self.max_rows, self.max_blocks_per_seq), np.int32)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(self.max_rows - 1, -1, -1))
+        self.states: dict[str, Request] = {}
+
+        # Static device buffers (CUDA graphs replay against these addresses).
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self.input_ids = zeros(self.max_num_tokens)
+        self.positions = zeros(self.max_num_tokens)
+        self.slot_mapping = zeros(self.max_num_tokens)
+        self.block_tables = zeros(self.max_rows, self.max_blocks_per_seq, dtype=torch.int32)
+        self.context_lens = zeros(self.max_rows, dtype=torch.int32)
+        self.query_start_loc = zeros(self.max_rows + 1, dtype=torch.int32)
+        self._row_offsets = torch.arange(self.max_rows + 1, dtype=torch.int32, device=self.device)
+
+        def new_attention():
+            return CudaPagedAttention(
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.sliding_window, max_model_len=self.max_model_len
+            )
+
+        self.sampler = GpuSampler(self.device, self.max_rows, sampler_seed)
+        if num_blocks is None:
+            num_blocks = self._size_kv_cache(new_attention)
+        self.attention = new_attention()
+        self.attention.allocate_kv_cache(
+            num_blocks, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, loaded.dtype, self.device
+        )
+        self.num_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * self._bytes_per_block()
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
+            num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, loaded.dtype,
+        )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = None
+        if getattr(config, "cuda_graphs", True):
+            self._capture_graphs()
+
+    # ---- memory ---------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        arch = self.arch
+        element = torch.empty(0, dtype=self.loaded.dtype).element_size()
+        return 2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim * element
+
+    def _size_kv_cache(self, new_attention) -> int:
+        import cupy
+
+        arch = self.arch
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        tokens = min(self.max_num_tokens, self.max_blocks_per_seq * self.block_size)
+        probe_blocks = math.ceil(tokens / self.block_size)
+        probe = new_attention()
+        probe.allocate_kv_cache(
+            probe_blocks, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, self.loaded.dtype, self.device
+        )
+        self.attention = probe
+        # The largest step: one prefill of max_num_tokens tokens (at most the model length),
+        # then logits and sampling for every row.
+        self.block_table[0, :probe_blocks] = np.arange(probe_blocks)
+        metadata = self._metadata_from_host(
+            rows=np.array([0]), query_lens=np.array([tokens]), num_computed=np.array([0]), num_decodes=0,
+            input_ids=np.zeros(tokens, np.int64),
+        )
+        with ops.torch_stream():
+            hidden = self.model.forward(self.input_ids[:tokens], self.positions[:tokens], probe, metadata)
+            logits = self.model.compute_logits(hidden[-1:].expand(self.max_rows, -1).contiguous())
+            self.sampler(logits, np.arange(self.max_rows), [None] * self.max_rows)
+        torch.cuda.synchronize(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - baseline
+        del hidden, logits, probe, metadata
+        self.attention = None
+        cupy.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used - peak_activations - GRAPH_RESERVE_BYTES
+        num_blocks = int(budget // self._bytes_per_block())
+        logger.info(
+            "GPU memory: %.1f GiB total, %.1f GiB in use after loading, %.2f GiB peak activations; "
+            "utilization %.2f leaves %.1f GiB for the KV cache",
+            total / 2**30, used / 2**30, peak_activations / 2**30, self.config.gpu_memory_utilization,
+            max(budget, 0) / 2**30,
+        )
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for a KV block "
+                f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB after loading the weights)"
+            )
+        return num_blocks
+
+    # ---- request state ----------------------------------------------------------------
+    def _update_states(self, step: StepDescription) -> None:
+        for request_id in step.finished_request_ids:
+            self.states.pop(request_id, None)
+            self._free_row(request_id)
+        for request_id in step.preempted_request_ids:
+            self._free_row(request_id)
+        for new in step.new_requests:
+            state = self.states.get(new.request_id)
+            if state is None:
+                state = Request(
+                    request_id=new.request_id,
+                    prompt_token_ids=list(new.prompt_token_ids),
+                    params=new.params,
+                    eos_token_ids=frozenset(new.eos_token_ids),
+                )
+                self.states[new.request_id] = state
+            state.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+            row = self.free_rows.pop()
+            self.rows[new.request_id] = row
+            count = len(state.token_ids)
+            self.token_ids[row, :count] = state.token_ids
+            self.num_tokens[row] = count
+            self.num_computed[row] = new.num_computed_tokens
+            self.block_table[row, : len(new.block_ids)] = new.block_ids
+            state.block_table = list(new.block_ids)
+            self.sampler.add_row(row, state)
+        for cached in step.cached_requests:
+            row = self.rows[cached.request_id]
+            state = self.states[cached.request_id]
+            if cached.new_block_ids:
+                start = len(state.block_table)
+                self.block_table[row, start : start + len(cached.new_block_ids)] = cached.new_block_ids
+                state.block_table.extend(cached.new_block_ids)
+            self.num_computed[row] = cached.num_computed_tokens
+
+    def _free_row(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.sampler.remove_row(row)
+            self.free_rows.append(row)
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _metadata_from_host(self, rows, query_lens, num_computed, num_decodes, input_ids=None):
+        """Fill the static buffers for sequences `rows` (decodes first) and return the
+        attention metadata. Vectorised over tokens and sequences."""
+        from inflightllm.attention.cuda.backend import CudaAttentionMetadata
+
+        num_seqs = len(rows)
+        cu = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        total = int(cu[-1])
+        token_rows = np.repeat(rows, query_lens)
+        offsets = np.arange(total) - np.repeat(cu[:-1], query_lens)
+        positions = np.repeat(num_computed, query_lens) + offsets
+        if input_ids is None:
+            input_ids = self.token_ids[token_rows, positions]
+        bs = self.block_size
+        slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        context = num_computed + query_lens
+        max_blocks = int(-(-int(context.max()) // bs))
+        packed = torch.from_numpy(np.concatenate([input_ids, positions, slots]))
+        staged = packed.pin_memory().to(self.device, non_blocking=True)
+        self.input_ids[:total].copy_(staged[:total])
+        self.positions[:total].copy_(staged[total : 2 * total])
+        self.slot_mapping[:total].copy_(staged[2 * total :])
+        small = torch.from_numpy(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
+        small = small.pin_memory().to(self.device, non_blocking=True)
+        self.context_lens[:num_seqs].copy_(small[:num_seqs])
+        self.query_start_loc[: num_seqs + 1].copy_(small[num_seqs:])
+        tables = torch.from_numpy(np.ascontiguousarray(self.block_table[rows, :max_blocks]))
+        self.block_tables[:num_seqs, :max_blocks].copy_(tables.pin_memory().to(self.device, non_blocking=True))
+        prefill_lens = query_lens[num_decodes:]
+        return CudaAttentionMetadata(
+            num_decodes=num_decodes,
+            num_prefills=num_seqs - num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
+            max_context_len=int(context.max()),
+            slot_mapping=self.slot_mapping[:total],
+            positions=self.positions[:total],
+            block_tables=self.block_tables[:num_seqs],
+            context_lens=self.context_lens[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+        )
+
+    # ---- CUDA graphs ------------------------------------------------------------------
+    def _graph_metadata(self, batch: int):
+        from inflightllm.attention.cuda.backend import CudaAttentionMetadata
+
+        return CudaAttentionMetadata(
+            num_decodes=batch,
+            num_prefills=0,
+            num_decode_tokens=batch,
+            max_query_len=0,
+            max_context_len=self.max_model_len,
+            slot_mapping=self.slot_mapping[:batch],
+            positions=self.positions[:batch],
+            block_tables=self.block_tables[:batch],
+            context_lens=self.context_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+        )
+
+    def _capture_graphs(self) -> None:
+        start = time.monotonic()
+        buckets = graph_buckets(self.max_rows)
+        # Harmless inputs: every row one token at position 0 of block 0, written nowhere.
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.block_tables.zero_()
+        self.context_lens.fill_(1)
+        self.query_start_loc.copy_(self._row_offsets)
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        for batch in sorted(buckets, reverse=True):
+            metadata = self._graph_metadata(batch)
+            with ops.torch_stream():  # warm-up outside capture (kernel compilation, cuBLAS handles)
+                self.model.compute_logits(
+                    self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
+                )
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                with ops.torch_stream():
+                    hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
+                    logits = self.model.compute_logits(hidden)
+            self.graphs[batch] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (%s) in %.1f s", len(buckets), buckets, time.monotonic() - start)
+
+    def _bucket(self, batch: int) -> int | None:
+        candidates = [size for size in self.graphs if size >= batch]
+        return min(candidates) if candidates else None
+
+    # ---- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepDescription) -> SampledTokens:
+        self._update_states(step)
+        result = SampledTokens()
+        if not step.scheduled:
+            return result
+        ids = [request_id for request_id, _ in step.scheduled]
+        rows = np.fromiter((self.rows[request_id] for request_id in ids), np.int64, len(ids))
+        query_lens = np.fromiter((count for _, count in step.scheduled), np.int64, len(ids))
+        order = np.argsort(query_lens > 1, kind="stable")  # decodes first
+        rows, query_lens = rows[order], query_lens[order]
+        num_computed = self.num_computed[rows]
+        num_decodes = int(np.count_nonzero(query_lens == 1))
+        batch = len(rows)
+        last_token = np.cumsum(query_lens) - 1
+        samples = num_computed + query_lens == self.num_tokens[rows]
+
+        bucket = self._bucket(batch) if num_decodes == batch else None
+        if bucket is not None:
+            self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
+            if bucket > batch:  # padding rows: nothing written, one harmless key read
+                self.slot_mapping[batch:bucket].fill_(-1)
+                self.input_ids[batch:bucket].zero_()
+                self.positions[batch:bucket].zero_()
+                self.context_lens[batch:bucket].fill_(1)
+                self.block_tables[batch:bucket, 0].zero_()
+                self.query_start_loc[batch + 1 : bucket + 1].copy_(self._row_offsets[batch + 1 : bucket + 1])
+            graph, graph_logits = self.graphs[bucket]
+            graph.replay()
+            logits = graph_logits[:batch][torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
+        else:
+            metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
+            total = int(query_lens.sum())
+            with ops.torch_stream():
+                hidden = self.model.forward(self.input_ids[:total], self.positions[:total], self.attention, metadata)
+                selected = torch.from_numpy(last_token[samples]).to(self.device, non_blocking=True)
+                logits = self.model.compute_logits(hidden.index_select(0, selected))
+
+        self.num_computed[rows] = num_computed + query_lens
+        sample_rows = rows[samples]
+        if len(sample_rows) == 0:
+            return result
+        states = [self.states[ids[i]] for i in order[samples]]
+        token_ids, logprobs, top_ids, top_values = self.sampler(logits, sample_rows, states)
+        counts = self.num_tokens[sample_rows]
+        self.token_ids[sample_rows, counts] = token_ids
+        self.num_tokens[sample_rows] = counts + 1
+        for state, token in zip(states, token_ids):
+            state.token_ids.append(token)
+        result.request_ids = [state.request_id for state in states]
+        result.token_ids = token_ids
+        m = len(token_ids)
+        result.logprobs = logprobs if logprobs is not None else [None] * m
+        result.top_ids = top_ids if top_ids is not None else [[] for _ in range(m)]
+        result.top_logprobs = top_values if top_values is not None else [[] for _ in range(m)]
+        return result

@@ -1,0 +1,174 @@
+"""Batched sampling on the GPU: one set of tensor ops for the whole step.
+
+Per-row settings live in host arrays indexed by the runner's persistent rows (written
+once when a request joins) and go to the device as one tensor per step. Greedy,
+temperature, top-k, top-p and min-p are vectorised over the batch; the random draw is
+the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p. Rows with
+their own seed draw E from their own generator, and the rare rows with penalties or
+banned tokens are adjusted first; only those rows are visited one by one. Semantics
+match the CPU reference sampler (`inflightllm/sampler.py`); log probs are of the raw
+model distribution. One device-to-host copy returns the ids (and log probs when asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inflightllm.request import Request
+from inflightllm.sampler import _tail_matches
+
+
+@dataclass
+class RowParams:
+    """Host arrays of per-row sampling settings, indexed by runner row."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    greedy: np.ndarray
+    special: np.ndarray  # penalties, bans, min_tokens or bad words: adjusted row by row
+    top_logprobs: np.ndarray
+    wants_logprobs: np.ndarray
+
+    @classmethod
+    def empty(cls, rows: int) -> RowParams:
+        return cls(
+            temperature=np.ones(rows, np.float32),
+            top_k=np.zeros(rows, np.int64),
+            top_p=np.ones(rows, np.float32),
+            min_p=np.zeros(rows, np.float32),
+            greedy=np.ones(rows, bool),
+            special=np.zeros(rows, bool),
+            top_logprobs=np.zeros(rows, np.int64),
+            wants_logprobs=np.zeros(rows, bool),
+        )
+
+    def set_row(self, row: int, request: Request) -> None:
+        params = request.params
+        self.greedy[row] = params.greedy
+        self.temperature[row] = params.temperature if not params.greedy else 1.0
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.special[row] = bool(
+            params.needs_penalties or request.banned_single or request.banned_multi or params.min_tokens
+        )
+        self.top_logprobs[row] = params.top_logprobs
+        self.wants_logprobs[row] = params.logprobs or params.top_logprobs > 0
+
+
+class GpuSampler:
+    """Samples one token per row of logits for the runner's rows."""
+
+    def __init__(self, device: torch.device, max_rows: int, seed: int | None = None):
+        self.device = device
+        self.params = RowParams.empty(max_rows)
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.row_generators: dict[int, torch.Generator] = {}
+
+    def add_row(self, row: int, request: Request) -> None:
+        self.params.set_row(row, request)
+        if request.params.seed is not None and not request.params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.params.seed)
+            self.row_generators[row] = generator
+        else:
+            self.row_generators.pop(row, None)
+
+    def remove_row(self, row: int) -> None:
+        self.row_generators.pop(row, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request]):
+        """logits [m, vocab] float32 (modified in place); rows [m] runner rows; requests
+        the runner's states of those rows. Returns (token_ids list, logprobs list|None,
+        top ids list, top logprobs list)."""
+        p = self.params
+        m = logits.shape[0]
+        wants = p.wants_logprobs[rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
+        for index in np.flatnonzero(p.special[rows]):
+            _adjust_row(logits[index], requests[index])
+        greedy = p.greedy[rows]
+        token_ids = torch.argmax(logits, dim=-1)
+        if not greedy.all():
+            token_ids = torch.where(
+                torch.from_numpy(greedy).to(self.device, non_blocking=True), token_ids, self._sample(logits, rows)
+            )
+        ids = token_ids.tolist()  # the one host sync of the step
+        logprobs = top_ids = top_values = None
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+            logprobs = [chosen[i] if wants[i] else None for i in range(m)]
+            counts = p.top_logprobs[rows]
+            k_max = int(counts.max())
+            top_ids = [[] for _ in range(m)]
+            top_values = [[] for _ in range(m)]
+            if k_max:
+                values, indices = torch.topk(raw_logprobs, k_max, dim=-1)
+                values, indices = values.tolist(), indices.tolist()
+                for i in np.flatnonzero(counts):
+                    top_ids[i] = indices[i][: counts[i]]
+                    top_values[i] = values[i][: counts[i]]
+        return ids, logprobs, top_ids, top_values
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        p = self.params
+        settings = torch.from_numpy(
+            np.stack([p.temperature[rows], p.top_p[rows], p.min_p[rows], p.top_k[rows].astype(np.float32)], axis=1)
+        ).to(self.device, non_blocking=True)
+        temperature, top_p, min_p, top_k = settings.unbind(1)
+        scaled = logits / temperature[:, None]
+        vocab = scaled.shape[1]
+        top_k_rows = p.top_k[rows]
+        if ((top_k_rows > 0) & (top_k_rows < vocab)).any() or (p.top_p[rows] < 1.0).any():
+            sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+            k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
+            kth = sorted_logits.gather(1, (k - 1)[:, None])  # [m, 1]
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+            probs_sorted = torch.softmax(sorted_logits, dim=-1)
+            before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
+            drop = before >= top_p[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+        probs = torch.softmax(scaled, dim=-1)
+        if (p.min_p[rows] > 0).any():
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for index, row in enumerate(rows):
+            generator = self.row_generators.get(int(row))
+            if generator is not None:
+                noise[index].exponential_(generator=generator)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def _adjust_row(row: torch.Tensor, request: Request) -> None:
+    """Penalties and bans of one request, as the CPU reference sampler applies them."""
+    params = request.params
+    device = row.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
+        scores = row[seen]
+        penalty = params.repetition_penalty
+        row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
+        outputs = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
+        counts = torch.bincount(outputs, minlength=row.shape[0]).to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    banned = set(request.banned_single)
+    for sequence in request.banned_multi:
+        if _tail_matches(request.token_ids, sequence[:-1]):
+            banned.add(sequence[-1])
+    if request.num_output_tokens < params.min_tokens:
+        banned |= request.stop_token_ids
+    if banned:
+        row[torch.tensor(sorted(banned), dtype=torch.int64, device=device)] = float("-inf")

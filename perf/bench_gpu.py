@@ -1,0 +1,260 @@
+"""GPU benchmark: our engine vs `transformers` on the same random weights, one run.
+
+Sections (all by default):
+- `decode`: the decode step at batch 1, 32 and 256 (prompts of 128 tokens, contexts
+  growing from there). Ours: the median of timed `Engine.step()` calls once every
+  request decodes (host work included, CUDA graphs on). transformers: `generate` at the
+  same batch, (time of 64 new tokens - time of 16) / 48 per step (prefill excluded).
+- `throughput`: 1,024 requests of 128 prompt tokens and 128 output tokens submitted at
+  once, engine-only (`LLM.generate`), output tokens/s; transformers `generate` at batch
+  128 over the same prompts (8 batches), tokens/s.
+- `long`: 8 requests with 32,000-token prompts and 256 output tokens; prefill TFLOP/s
+  over the steps that prefill.
+- `fill`: 256 requests of 1,536 prompt tokens that would each generate 4,096: how full
+  the KV cache is when the first preemption is needed (blocks in use / blocks allocated).
+- `profile`: a torch profiler trace of decode steps at batch 1 and 256; the kernels
+  that take the GPU time, as a table.
+
+Prints a table and writes JSON (`--out`). Usage (on the GPU host):
+    python perf/bench_gpu.py --shape llama3-8b --dtype bfloat16 --out $OUT/bench_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.llm import LLM
+from inflightllm.model_source import ModelSpec
+from inflightllm.sampling_params import SamplingParams
+
+
+def prompts_of(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (count, length), generator=generator).tolist()
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def our_decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int = 30) -> float:
+    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True)
+    for i, prompt in enumerate(prompts_of(batch, prompt_len, engine.vocab_size, seed=batch)):
+        engine.add_request(f"decode-{batch}-{i}", prompt, params)
+    # Until every request has its first token (all prefills done), then a few warm steps.
+    while engine.stats().num_running < batch or any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times)
+
+
+def hf_model(engine: Engine):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    loaded = engine.loaded
+    config = LlamaConfig(**{k: v for k, v in loaded.config.items() if k != "architectures"})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(loaded.dtype)
+    try:
+        with torch.device(loaded.device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.load_state_dict(loaded.model.hf_state_dict(), strict=False)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate_s(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device=model.device)
+    sync()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    sync()
+    return time.perf_counter() - start
+
+
+def hf_decode_step_ms(model, batch: int, vocab: int, prompt_len: int = 128) -> float:
+    prompts = prompts_of(batch, prompt_len, vocab, seed=batch)
+    hf_generate_s(model, prompts, 4)  # warm-up
+    short = hf_generate_s(model, prompts, 16)
+    long = hf_generate_s(model, prompts, 64)
+    return (long - short) / 48 * 1e3
+
+
+def profile_decode(engine: Engine, batch: int, steps: int = 10) -> list[dict]:
+    """GPU time by kernel over `steps` decode steps at `batch` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=steps + 40, ignore_eos=True)
+    for i, prompt in enumerate(prompts_of(batch, 128, engine.vocab_size, seed=100 + batch)):
+        engine.add_request(f"profile-{batch}-{i}", prompt, params)
+    while any(r.num_output_tokens < 2 for r in engine.requests.values()):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    while engine.has_unfinished():
+        engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) or 1
+    rows = []
+    print(f"profile, decode batch {batch}, {steps} steps: GPU time per step {total / steps / 1e3:.3f} ms", flush=True)
+    for event in events[:12]:
+        share = event.self_device_time_total / total
+        rows.append({"kernel": event.key[:80], "ms_per_step": round(event.self_device_time_total / steps / 1e3, 4),
+                     "share": round(share, 3), "calls_per_step": event.count // steps})
+        print(f"  {share:6.1%} {event.self_device_time_total / steps / 1e3:8.3f} ms  x{event.count // steps:4d}  "
+              f"{event.key[:90]}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sections", default="decode,throughput,long,fill,profile")
+    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                        help="leaves room for the transformers model on the same GPU")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    sections = set(args.sections.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
+    spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype)
+    long_input = 32768 if "long" in sections else 4096
+    config = EngineConfig(
+        device="gpu", gpu_ids=(0,), max_batch_size=256, max_num_tokens=8192, max_input_length=long_input,
+        max_output_len=4096, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    start = time.perf_counter()
+    engine = Engine(spec, config, sampler_seed=0)
+    report: dict = {
+        "shape": args.shape, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d"), "engine_start_s": round(time.perf_counter() - start, 1),
+        "kv_blocks": engine.runner.num_blocks, "kv_gib": round(engine.runner.kv_cache_bytes / 2**30, 2),
+        "cuda_graph_buckets": sorted(engine.runner.graphs),
+    }
+    print(json.dumps(report), flush=True)
+    model = None
+    if not args.no_transformers:
+        model = hf_model(engine)
+    rows = []
+    if "decode" in sections:
+        for batch in batches:
+            ours = our_decode_step_ms(engine, batch)
+            theirs = hf_decode_step_ms(model, batch, engine.vocab_size) if model is not None else float("nan")
+            rows.append({"batch": batch, "ours_ms": round(ours, 3), "transformers_ms": round(theirs, 3)})
+            print(f"decode step batch {batch:4d}: ours {ours:8.3f} ms   transformers {theirs:8.3f} ms", flush=True)
+        report["decode_step"] = rows
+    if "throughput" in sections:
+        prompts = prompts_of(args.requests, 128, engine.vocab_size, seed=7)
+        params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True)
+        llm = LLM(spec, engine=engine, load_tokenizer_too=False)
+        llm.generate(prompts[:64], params)  # warm-up
+        sync()
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        sync()
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(r.token_ids) for r in results)
+        report["throughput"] = {"requests": args.requests, "output_tokens": tokens, "seconds": round(elapsed, 2),
+                                "output_tokens_per_s": round(tokens / elapsed, 1),
+                                "preemptions": engine.stats().num_preemptions_total}
+        print(f"engine-only {args.requests} x 128/128: {tokens / elapsed:,.0f} output tokens/s ({elapsed:.1f} s)",
+              flush=True)
+        if model is not None:
+            batch_prompts = prompts[:128]
+            hf_generate_s(model, batch_prompts[:8], 4)
+            elapsed_hf = hf_generate_s(model, batch_prompts, 128)
+            report["throughput"]["transformers_batch128_tokens_per_s"] = round(128 * 128 / elapsed_hf, 1)
+            print(f"transformers generate batch 128: {128 * 128 / elapsed_hf:,.0f} tokens/s", flush=True)
+    if "long" in sections:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        prompts = prompts_of(8, 32000, engine.vocab_size, seed=9)
+        params = SamplingParams(max_tokens=256, min_tokens=256, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"long-{i}", prompt, params)
+        prefill_tokens = 0
+        prefill_time = 0.0
+        start = time.perf_counter()
+        done = 0
+        while engine.has_unfinished():
+            sync()
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            sync()
+            step_tokens = engine.stats().num_tokens_last_step
+            if step_tokens > 256:
+                prefill_tokens += step_tokens
+                prefill_time += time.perf_counter() - step_start
+            done += sum(1 for o in outputs if o.finished)
+        elapsed = time.perf_counter() - start
+        arch = engine.loaded.arch
+        params_count = sum(t.numel() for t in engine.loaded.model.hf_state_dict().values())
+        # 2 FLOP per weight per token, plus causal attention: 2 * 2 * layers * heads * d * L^2 / 2 per sequence.
+        attention_flops = 8 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * 32000**2
+        flops = 2 * params_count * prefill_tokens + attention_flops
+        report["long"] = {"requests_done": done, "seconds": round(elapsed, 1), "prefill_tokens": prefill_tokens,
+                          "prefill_seconds": round(prefill_time, 2),
+                          "prefill_tflops": round(flops / prefill_time / 1e12, 1) if prefill_time else None}
+        print(f"8 x 32k prompts + 256 out: {done} done in {elapsed:.1f} s; prefill {prefill_tokens} tokens in "
+              f"{prefill_time:.2f} s = {flops / max(prefill_time, 1e-9) / 1e12:.0f} TFLOP/s", flush=True)
+    if "profile" in sections:
+        report["profile"] = {}
+        for batch in (1, 256):
+            report["profile"][batch] = profile_decode(engine, batch)
+    if "fill" in sections:
+        prompts = prompts_of(256, 1536, engine.vocab_size, seed=11)
+        params = SamplingParams(max_tokens=4096, min_tokens=4096, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"fill-{i}", prompt, params)
+        before = engine.stats().num_preemptions_total
+        while engine.stats().num_preemptions_total == before and engine.has_unfinished():
+            engine.step()
+        stats = engine.stats()
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        while engine.has_unfinished():
+            engine.step()
+        usage = stats.kv_usage_at_first_preemption
+        report["fill"] = {"blocks": stats.num_blocks_total, "usage_at_first_preemption": usage}
+        print(f"KV cache: {stats.num_blocks_total} blocks; {usage:.1%} of them in use at the first preemption",
+              flush=True)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
