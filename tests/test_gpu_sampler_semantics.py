@@ -1,0 +1,114 @@
+"""The batched GPU sampler (inflightllm/gpu/sampler.py) run on the CPU device: its
+semantics equal the reference sampler's where they are deterministic (greedy, top-k 1,
+a tiny top-p, min-p 1, penalties and bans, log probs), seeded rows repeat, and the draw
+follows the distribution. CUDA graph buckets are the documented sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inflightllm.gpu.runner import graph_buckets
+from inflightllm.gpu.sampler import GpuSampler
+from inflightllm.request import Request
+from inflightllm.sampler import Sampler
+from inflightllm.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def request(params: SamplingParams, prompt=(1, 2, 3), outputs=(), name="r") -> Request:
+    state = Request(request_id=name, prompt_token_ids=list(prompt), params=params, eos_token_ids=frozenset({2}))
+    state.token_ids.extend(outputs)
+    return state
+
+
+def batched(rows_params, logits, seed=0, states=None):
+    sampler = GpuSampler(torch.device("cpu"), max_rows=8, seed=seed)
+    states = states or [request(p, name=f"r{i}") for i, p in enumerate(rows_params)]
+    rows = np.arange(len(states))
+    for row, state in zip(rows, states):
+        sampler.add_row(int(row), state)
+    return sampler(logits.clone(), rows, states)
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_graph_buckets_are_powers_of_two_to_16_then_every_16():
+    assert graph_buckets(256) == [1, 2, 4, 8, 16] + list(range(32, 257, 16))
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_buckets(1) == [1]
+
+
+def test_deterministic_settings_equal_the_reference_sampler():
+    params = [
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=1.3, top_p=1e-6),
+        SamplingParams(temperature=0.9, min_p=1.0),
+        SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(min_tokens=3),  # EOS (2) banned while fewer than 3 outputs
+        SamplingParams(bad_words=((5,), (1, 7))),
+    ]
+    logits = random_logits(len(params))
+    logits[5, 2] = 50.0  # EOS would win if it were not banned
+    states = [request(p, outputs=(7, 7, 9) if i == 4 else (), name=f"r{i}") for i, p in enumerate(params)]
+    ids, _, _, _ = batched(params, logits, states=states)
+    reference = Sampler(seed=0)(logits.clone(), [request(p, outputs=(7, 7, 9) if i == 4 else ()) for i, p in
+                                                  enumerate(params)]).token_ids
+    assert ids == reference
+    assert ids[5] != 2
+
+
+def test_log_probs_and_top_logprobs_are_of_the_raw_distribution():
+    params = [SamplingParams(logprobs=True), SamplingParams(top_logprobs=3), SamplingParams()]
+    logits = random_logits(3, seed=1)
+    ids, logprobs, top_ids, top_values = batched(params, logits)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert logprobs[0] == pytest.approx(float(raw[0, ids[0]]))
+    assert logprobs[2] is None and top_ids[0] == [] and top_ids[2] == []
+    values, indices = torch.topk(raw[1], 3)
+    assert top_ids[1] == indices.tolist() and top_values[1] == pytest.approx(values.tolist())
+
+
+def test_seeded_rows_repeat_and_unseeded_rows_follow_the_sampler_seed():
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]
+    logits = torch.zeros(2, VOCAB)  # uniform: every draw is random
+    first = [batched(params, logits, seed=s)[0] for s in (0, 1)]
+    assert first[0][0] == first[1][0]  # the seeded row ignores the sampler's seed
+    again = batched(params, logits, seed=0)[0]
+    assert again == first[0]
+
+
+def test_the_draw_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (VOCAB - 3))
+    logits = torch.log(probs).expand(512, -1).contiguous()
+    sampler = GpuSampler(torch.device("cpu"), max_rows=512, seed=3)
+    states = [request(SamplingParams(temperature=1.0), name=f"r{i}") for i in range(512)]
+    for row, state in enumerate(states):
+        sampler.add_row(row, state)
+    ids, _, _, _ = sampler(logits.clone(), np.arange(512), states)
+    counts = np.bincount(ids, minlength=3)[:3] / 512
+    assert set(ids) <= {0, 1, 2}
+    assert abs(counts[0] - 0.6) < 0.08 and abs(counts[1] - 0.3) < 0.08
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens():
+    logits = torch.arange(VOCAB, dtype=torch.float32).flip(0).expand(256, -1).contiguous()  # token 0 best
+    params = [SamplingParams(temperature=5.0, top_k=3)] * 128 + [SamplingParams(temperature=5.0, top_p=0.2)] * 128
+    ids, _, _, _ = batched_many(params, logits)
+    assert set(ids[:128]) <= {0, 1, 2}
+    kept = torch.softmax(logits[0] / 5.0, -1).cumsum(-1)
+    allowed = int((kept - torch.softmax(logits[0] / 5.0, -1) < 0.2).sum())
+    assert set(ids[128:]) <= set(range(allowed))
+
+
+def batched_many(params, logits):
+    sampler = GpuSampler(torch.device("cpu"), max_rows=len(params), seed=5)
+    states = [request(p, name=f"r{i}") for i, p in enumerate(params)]
+    for row, state in enumerate(states):
+        sampler.add_row(row, state)
+    return sampler(logits.clone(), np.arange(len(params)), states)
