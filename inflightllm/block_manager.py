@@ -113,7 +113,9 @@ class BlockManager:
         """Register the request's computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        # Only tokens whose values are known (asynchronous scheduling computes one ahead).
+        known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(known // self.block_size, len(request.block_table))
         hashes = self._block_hashes(request, num_full)
         size = self.block_size
         for index in range(num_full):

@@ -28,11 +28,14 @@ class EngineConfig:
     stream_interval: int = 1  # a streamed response every N new tokens
     priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
     cuda_graphs: bool = True  # GPU: replay captured CUDA graphs for decode steps (false: eager, for debugging)
+    async_scheduling: bool = False  # schedule and launch step N+1 before step N's tokens are emitted
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu
     gpu_ids: tuple[int, ...] = field(default_factory=tuple)
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine instances (one per GPU group); gpu_ids holds tp x dp ids
+    step_timeout_s: float = 60.0  # tensor parallel: a step longer than this fails the engine (a rank hung)
     num_kv_blocks: int = 0  # 0: derive from the memory budget; > 0: exactly this many (tests)
 
     def to_parameters(self) -> dict[str, str]:

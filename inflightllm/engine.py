@@ -154,6 +154,9 @@ class Engine:
         self._runner_blocks: dict[str, int] = {}  # running in the runner: block ids sent
         self._runner_held: set[str] = set()  # the runner has state for these (preempted too)
         self._runner_finished: list[str] = []
+        # Asynchronous scheduling: the launched step whose tokens are not yet emitted.
+        self.async_scheduling = config.async_scheduling
+        self._inflight = None
         self.requests: dict[str, Request] = {}
         self._counters = _Counters()
 
@@ -228,23 +231,71 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._counters.pending)
+        return self.scheduler.has_unfinished() or bool(self._counters.pending) or self._inflight is not None
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration. Synchronous: schedule, run, sample, emit. Asynchronous
+        (`async_scheduling`, GPU): schedule and launch step N+1 first, then wait for step
+        N's sampled tokens and emit them, so the host work between steps overlaps the GPU."""
         outputs, self._counters.pending = self._counters.pending, []
+        if not self.async_scheduling:
+            scheduled = self.scheduler.schedule()
+            self._counters.tokens_last_step = scheduled.num_batched_tokens
+            if scheduled.is_empty:
+                return outputs
+            sampled = self.runner.execute(self._describe(scheduled))
+            self._counters.steps += 1
+            for item in scheduled.scheduled:
+                item.request.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(item.request)
+            self._emit(sampled, outputs)
+            return outputs
+        if self._inflight is not None and self._needs_history():
+            self._resolve(outputs)  # penalties and bad words read the tokens still in flight
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
-        if scheduled.is_empty:
-            return outputs
-        sampled = self.runner.execute(self._describe(scheduled))
-        self._counters.steps += 1
-        for item in scheduled.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.request)
+        launched = None
+        if not scheduled.is_empty:
+            handle = self.runner.launch(self._describe(scheduled))
+            self._counters.steps += 1
+            for item in scheduled.scheduled:
+                request = item.request
+                samples = item.samples
+                request.num_computed_tokens += item.num_new_tokens
+                if samples:  # its next token is being sampled on the device
+                    request.num_inflight += 1
+                    if (request.num_output_tokens + request.num_inflight >= request.params.max_tokens
+                            or request.num_tokens + request.num_inflight >= self.max_model_len):
+                        request.final_pending = True  # finishes by length: nothing more to schedule
+            launched = (handle, [item.request for item in scheduled.scheduled])
+        if self._inflight is not None:
+            self._resolve(outputs)
+        self._inflight = launched
+        return outputs
+
+    def _needs_history(self) -> bool:
+        return any(request.needs_history for request in self.scheduler.running)
+
+    def _resolve(self, outputs: list[RequestOutput]) -> None:
+        """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
+        handle, scheduled = self._inflight
+        self._inflight = None
+        sampled = handle.result()
+        for request in scheduled:
+            if not request.is_finished:
+                self.block_manager.cache_full_blocks(request)
+        self._emit(sampled, outputs)
+
+    def _emit(self, sampled, outputs: list[RequestOutput]) -> None:
+        """Append each sampled token to its request, check stops, collect outputs."""
         now = time.monotonic()
         for row, request_id in enumerate(sampled.request_ids):
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished or aborted while its step was in flight
+            if request.num_inflight:
+                request.num_inflight -= 1
             request.token_ids.append(sampled.token_ids[row])
             request.logprobs.append(sampled.logprobs[row] or 0.0)
             request.top_logprob_ids.append(sampled.top_ids[row])
@@ -259,7 +310,6 @@ class Engine:
             output = self._output(request)
             if output is not None:
                 outputs.append(output)
-        return outputs
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others

@@ -78,6 +78,10 @@ class ModelRunner:
         self.states = RequestStates()
         self.sampler = Sampler(sampler_seed)
 
+    def launch(self, step: StepDescription) -> CompletedStep:
+        """Asynchronous scheduling's entry: on the CPU the step runs at once."""
+        return CompletedStep(self.execute(step))
+
     def execute(self, step: StepDescription) -> SampledTokens:
         self.states.update(step)
         sequences: list[SequenceSlice] = []
@@ -116,9 +120,24 @@ class ModelRunner:
         return result
 
 
+class CompletedStep:
+    """A launched step whose result is already there (runners that run synchronously)."""
+
+    def __init__(self, result: SampledTokens):
+        self._result = result
+
+    def result(self) -> SampledTokens:
+        return self._result
+
+
 def make_model_runner(loaded: LoadedModel, config, num_blocks: int | None, sampler_seed: int | None):
     """The runner for the engine's device: CPU reference, or the CUDA runner (which sizes
-    its KV cache itself when `num_blocks` is None)."""
+    its KV cache itself when `num_blocks` is None). tensor_parallel_size > 1: the
+    tensor-parallel runner (inflightllm.parallel), which starts and owns the workers."""
+    if config.tensor_parallel_size > 1:
+        from inflightllm.parallel.tp_runner import TensorParallelRunner
+
+        return TensorParallelRunner(loaded.spec, config, loaded, num_blocks, sampler_seed)
     if config.device == "cpu":
         return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed)
     from inflightllm.gpu.runner import GpuModelRunner

@@ -69,6 +69,9 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     first_admitted: bool = False
+    # Asynchronous scheduling: tokens being sampled on the device, not yet in token_ids.
+    num_inflight: int = 0
+    final_pending: bool = False  # the token in flight ends it by length: schedule nothing more
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -85,6 +88,8 @@ class Request:
         self.stop_multi = tuple(seq for seq in self.params.stop_sequences if len(seq) > 1)
         self.banned_single = frozenset(seq[0] for seq in self.params.bad_words if len(seq) == 1)
         self.banned_multi = tuple(seq for seq in self.params.bad_words if len(seq) > 1)
+        # Sampling reads its earlier tokens' values (not just their count).
+        self.needs_history = self.params.needs_penalties or bool(self.banned_multi)
 
     @property
     def num_tokens(self) -> int:
@@ -103,4 +108,5 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens to compute before the next one can be sampled (those in flight count)."""
+        return self.num_tokens + self.num_inflight - self.num_computed_tokens

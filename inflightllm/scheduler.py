@@ -37,7 +37,8 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens, so the
         step produces a next token for it."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens + request.num_inflight
 
 
 @dataclass
@@ -141,6 +142,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.final_pending:
+                continue  # its token in flight finishes it (asynchronous scheduling)
             num_new = min(request.num_uncomputed_tokens(), budget)
             while not manager.append_slots(request, num_new):
                 victim = self._victim(self.running)

@@ -28,6 +28,7 @@ import logging
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -140,6 +141,9 @@ def main() -> None:
     parser.add_argument("--sections", default="decode,throughput,long,fill,profile")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--throughput-batch-sizes", default="",
+                        help="also run the throughput workload with these max_batch_size caps, e.g. 512,1024")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                         help="leaves room for the transformers model on the same GPU")
     parser.add_argument("--no-transformers", action="store_true")
@@ -151,8 +155,9 @@ def main() -> None:
     spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype)
     long_input = 32768 if "long" in sections else 4096
     config = EngineConfig(
-        device="gpu", gpu_ids=(0,), max_batch_size=256, max_num_tokens=8192, max_input_length=long_input,
-        max_output_len=4096, gpu_memory_utilization=args.gpu_memory_utilization,
+        device="gpu", gpu_ids=(0,), max_num_tokens=8192, max_input_length=long_input,
+        max_output_len=4096, gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=True,
+        max_batch_size=args.max_batch_size,
     )
     start = time.perf_counter()
     engine = Engine(spec, config, sampler_seed=0)
@@ -169,14 +174,19 @@ def main() -> None:
     rows = []
     if "decode" in sections:
         for batch in batches:
+            engine.async_scheduling = False
+            synchronous = our_decode_step_ms(engine, batch)
+            engine.async_scheduling = True
             ours = our_decode_step_ms(engine, batch)
             theirs = hf_decode_step_ms(model, batch, engine.vocab_size) if model is not None else float("nan")
-            rows.append({"batch": batch, "ours_ms": round(ours, 3), "transformers_ms": round(theirs, 3)})
-            print(f"decode step batch {batch:4d}: ours {ours:8.3f} ms   transformers {theirs:8.3f} ms", flush=True)
+            rows.append({"batch": batch, "ours_ms": round(ours, 3), "ours_synchronous_ms": round(synchronous, 3),
+                         "transformers_ms": round(theirs, 3)})
+            print(f"decode step batch {batch:4d}: ours {ours:8.3f} ms (synchronous scheduling {synchronous:8.3f} ms)"
+                  f"   transformers {theirs:8.3f} ms", flush=True)
         report["decode_step"] = rows
     if "throughput" in sections:
         prompts = prompts_of(args.requests, 128, engine.vocab_size, seed=7)
-        params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True)
+        params = SamplingParams(max_tokens=128, ignore_eos=True)
         llm = LLM(spec, engine=engine, load_tokenizer_too=False)
         llm.generate(prompts[:64], params)  # warm-up
         sync()
@@ -196,6 +206,27 @@ def main() -> None:
             elapsed_hf = hf_generate_s(model, batch_prompts, 128)
             report["throughput"]["transformers_batch128_tokens_per_s"] = round(128 * 128 / elapsed_hf, 1)
             print(f"transformers generate batch 128: {128 * 128 / elapsed_hf:,.0f} tokens/s", flush=True)
+        if args.throughput_batch_sizes and model is not None:
+            del model  # room for a second KV cache
+            model = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        for cap in [int(c) for c in args.throughput_batch_sizes.split(",") if c]:
+            blocks = args.requests * 272 // 16 + cap  # every request's 256 tokens (+ a block each) at once
+            capped = Engine(spec, replace(config, max_batch_size=cap, max_num_tokens=max(8192, cap),
+                                          num_kv_blocks=blocks), sampler_seed=0, loaded=engine.loaded)
+            capped_llm = LLM(spec, engine=capped, load_tokenizer_too=False)
+            capped_llm.generate(prompts[:64], params)
+            sync()
+            start = time.perf_counter()
+            results = capped_llm.generate(prompts, params)
+            sync()
+            seconds = time.perf_counter() - start
+            report["throughput"][f"max_batch_size_{cap}_tokens_per_s"] = round(tokens / seconds, 1)
+            print(f"engine-only {args.requests} x 128/128 at max_batch_size {cap}: {tokens / seconds:,.0f} "
+                  f"output tokens/s ({seconds:.1f} s)", flush=True)
+            del capped, capped_llm
+            gc.collect()
     if "long" in sections:
         del model
         gc.collect()

@@ -70,6 +70,7 @@ class GpuModelRunner:
         self.num_tokens = np.zeros(self.max_rows, np.int64)
         self.num_computed = np.zeros(self.max_rows, np.int64)
         self.block_table = np.zeros((self.max_rows, self.max_blocks_per_seq), np.int32)
+        self.prompt_lens = np.zeros(self.max_rows, np.int64)
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(self.max_rows - 1, -1, -1))
         self.states: dict[str, Request] = {}
@@ -85,6 +86,7 @@ class GpuModelRunner:
         self.context_lens = zeros(self.max_rows, dtype=torch.int32)
         self.query_start_loc = zeros(self.max_rows + 1, dtype=torch.int32)
         self._row_offsets = torch.arange(self.max_rows + 1, dtype=torch.int32, device=self.device)
+        self.last_sampled = zeros(self.max_rows)  # the previous launch's sampled ids, by row
 
         def new_attention():
             return CudaPagedAttention(
@@ -140,7 +142,7 @@ class GpuModelRunner:
         with ops.torch_stream():
             hidden = self.model.forward(self.input_ids[:tokens], self.positions[:tokens], probe, metadata)
             logits = self.model.compute_logits(hidden[-1:].expand(self.max_rows, -1).contiguous())
-            self.sampler(logits, np.arange(self.max_rows), [None] * self.max_rows)
+            self.sampler.sample(logits, np.arange(self.max_rows), [None] * self.max_rows)
         torch.cuda.synchronize(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - baseline
         del hidden, logits, probe, metadata
@@ -188,6 +190,7 @@ class GpuModelRunner:
             self.token_ids[row, :count] = state.token_ids
             self.num_tokens[row] = count
             self.num_computed[row] = new.num_computed_tokens
+            self.prompt_lens[row] = len(new.prompt_token_ids)
             self.block_table[row, : len(new.block_ids)] = new.block_ids
             state.block_table = list(new.block_ids)
             self.sampler.add_row(row, state)
@@ -219,8 +222,10 @@ class GpuModelRunner:
         token_rows = np.repeat(rows, query_lens)
         offsets = np.arange(total) - np.repeat(cu[:-1], query_lens)
         positions = np.repeat(num_computed, query_lens) + offsets
+        pending = None
         if input_ids is None:
             input_ids = self.token_ids[token_rows, positions]
+            pending = np.flatnonzero(input_ids < 0)  # sampled by the previous launch, still on the device
         bs = self.block_size
         slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         context = num_computed + query_lens
@@ -230,6 +235,9 @@ class GpuModelRunner:
         self.input_ids[:total].copy_(staged[:total])
         self.positions[:total].copy_(staged[total : 2 * total])
         self.slot_mapping[:total].copy_(staged[2 * total :])
+        if pending is not None and len(pending):
+            where = torch.from_numpy(np.stack([pending, token_rows[pending]])).pin_memory().to(self.device, non_blocking=True)
+            self.input_ids.index_copy_(0, where[0], self.last_sampled.index_select(0, where[1]))
         small = torch.from_numpy(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
         small = small.pin_memory().to(self.device, non_blocking=True)
         self.context_lens[:num_seqs].copy_(small[:num_seqs])
@@ -289,8 +297,9 @@ class GpuModelRunner:
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 with ops.torch_stream():
                     hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
-                    logits = self.model.compute_logits(hidden)
-            self.graphs[batch] = (graph, logits)
+            # The LM head runs after the replay, on the rows that sample only: graphs keep
+            # just their hidden states ([bucket, hidden_size]) alive, not [bucket, vocab] logits.
+            self.graphs[batch] = (graph, hidden)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (%s) in %.1f s", len(buckets), buckets, time.monotonic() - start)
 
@@ -299,12 +308,21 @@ class GpuModelRunner:
         return min(candidates) if candidates else None
 
     # ---- the step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, step: StepDescription) -> SampledTokens:
+        """Run a step and wait for its tokens."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepDescription) -> LaunchedStep:
+        """Queue a step on the GPU and return at once; `result()` waits for its tokens.
+
+        A token sampled by the previous launch may not have reached the host yet: its
+        place in the host arrays holds -1, and the device copies it from `last_sampled`
+        (the previous step's samples, by row) into the input ids. Only sampled ids cross
+        to the host, once per step, asynchronously."""
         self._update_states(step)
-        result = SampledTokens()
         if not step.scheduled:
-            return result
+            return LaunchedStep(self, [], None, None)
         ids = [request_id for request_id, _ in step.scheduled]
         rows = np.fromiter((self.rows[request_id] for request_id in ids), np.int64, len(ids))
         query_lens = np.fromiter((count for _, count in step.scheduled), np.int64, len(ids))
@@ -326,9 +344,10 @@ class GpuModelRunner:
                 self.context_lens[batch:bucket].fill_(1)
                 self.block_tables[batch:bucket, 0].zero_()
                 self.query_start_loc[batch + 1 : bucket + 1].copy_(self._row_offsets[batch + 1 : bucket + 1])
-            graph, graph_logits = self.graphs[bucket]
+            graph, graph_hidden = self.graphs[bucket]
             graph.replay()
-            logits = graph_logits[:batch][torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
+            selected = torch.from_numpy(np.flatnonzero(samples)).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(graph_hidden.index_select(0, selected))
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             total = int(query_lens.sum())
@@ -340,17 +359,47 @@ class GpuModelRunner:
         self.num_computed[rows] = num_computed + query_lens
         sample_rows = rows[samples]
         if len(sample_rows) == 0:
+            return LaunchedStep(self, [], None, None)
+        request_ids = [ids[i] for i in order[samples]]
+        states = [self.states[request_id] for request_id in request_ids]
+        positions = self.num_tokens[sample_rows]  # where each new token goes
+        sampled = self.sampler.sample(logits, sample_rows, states, positions - self.prompt_lens[sample_rows])
+        self.last_sampled.index_copy_(0, torch.from_numpy(sample_rows).to(self.device, non_blocking=True),
+                                      sampled.token_ids)
+        host = sampled.to_host(non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.token_ids[sample_rows, positions] = -1  # known once the step's result is read
+        self.num_tokens[sample_rows] = positions + 1
+        return LaunchedStep(self, list(zip(request_ids, sample_rows.tolist(), positions.tolist())), host, event)
+
+
+class LaunchedStep:
+    """A step queued on the GPU; `result()` waits for its sampled tokens and records
+    them in the runner's host state (unless the request left its row meanwhile)."""
+
+    def __init__(self, runner: GpuModelRunner, placed: list[tuple[str, int, int]], host, event):
+        self.runner = runner
+        self.placed = placed  # (request id, row, position of the new token)
+        self.host = host
+        self.event = event
+
+    def result(self) -> SampledTokens:
+        result = SampledTokens()
+        if not self.placed:
             return result
-        states = [self.states[ids[i]] for i in order[samples]]
-        token_ids, logprobs, top_ids, top_values = self.sampler(logits, sample_rows, states)
-        counts = self.num_tokens[sample_rows]
-        self.token_ids[sample_rows, counts] = token_ids
-        self.num_tokens[sample_rows] = counts + 1
-        for state, token in zip(states, token_ids):
-            state.token_ids.append(token)
-        result.request_ids = [state.request_id for state in states]
-        result.token_ids = token_ids
+        self.event.synchronize()
+        token_ids, logprobs, top_ids, top_values = self.host.lists()
+        runner = self.runner
+        for (request_id, row, position), token in zip(self.placed, token_ids):
+            if runner.rows.get(request_id) == row:
+                runner.token_ids[row, position] = token
+            state = runner.states.get(request_id)
+            if state is not None and len(state.token_ids) == position:
+                state.token_ids.append(token)
         m = len(token_ids)
+        result.request_ids = [request_id for request_id, _, _ in self.placed]
+        result.token_ids = token_ids
         result.logprobs = logprobs if logprobs is not None else [None] * m
         result.top_ids = top_ids if top_ids is not None else [[] for _ in range(m)]
         result.top_logprobs = top_values if top_values is not None else [[] for _ in range(m)]

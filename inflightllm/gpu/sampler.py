@@ -61,6 +61,49 @@ class RowParams:
         self.wants_logprobs[row] = params.logprobs or params.top_logprobs > 0
 
 
+@dataclass
+class SampleResult:
+    """One step's samples: device tensors until `to_host` copies them (asynchronously)."""
+
+    token_ids: torch.Tensor  # [m] int64
+    wants: np.ndarray  # [m] bool: log probs asked
+    top_counts: np.ndarray  # [m] top log probs asked
+    chosen: torch.Tensor | None = None  # [m] log prob of the chosen token
+    top_values: torch.Tensor | None = None  # [m, k_max]
+    top_indices: torch.Tensor | None = None
+
+    def to_host(self, non_blocking: bool = False) -> SampleResult:
+        """Copies to (pinned) host memory; with non_blocking, valid once the stream passes."""
+
+        def host(tensor):
+            if tensor is None:
+                return None
+            if not non_blocking or tensor.device.type == "cpu":
+                return tensor.cpu()
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return out.copy_(tensor, non_blocking=True)
+
+        return SampleResult(host(self.token_ids), self.wants, self.top_counts, host(self.chosen),
+                            host(self.top_values), host(self.top_indices))
+
+    def lists(self):
+        """(token ids, log probs or None, top ids or None, top log probs or None) as lists."""
+        ids = self.token_ids.tolist()
+        if self.chosen is None:
+            return ids, None, None, None
+        m = len(ids)
+        chosen = self.chosen.tolist()
+        logprobs = [chosen[i] if self.wants[i] else None for i in range(m)]
+        top_ids: list[list[int]] = [[] for _ in range(m)]
+        top_values: list[list[float]] = [[] for _ in range(m)]
+        if self.top_values is not None:
+            values, indices = self.top_values.tolist(), self.top_indices.tolist()
+            for i in np.flatnonzero(self.top_counts):
+                top_ids[i] = indices[i][: self.top_counts[i]]
+                top_values[i] = values[i][: self.top_counts[i]]
+        return ids, logprobs, top_ids, top_values
+
+
 class GpuSampler:
     """Samples one token per row of logits for the runner's rows."""
 
@@ -88,37 +131,34 @@ class GpuSampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request]):
+        """Sample and wait: returns (token_ids list, logprobs list|None, top ids, top logprobs)."""
+        return self.sample(logits, rows, requests).to_host().lists()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
+               output_counts: np.ndarray | None = None) -> SampleResult:
         """logits [m, vocab] float32 (modified in place); rows [m] runner rows; requests
-        the runner's states of those rows. Returns (token_ids list, logprobs list|None,
-        top ids list, top logprobs list)."""
+        the runner's states of those rows; `output_counts` the tokens each has generated
+        (in flight included), for min_tokens. Returns device tensors; nothing waits."""
         p = self.params
-        m = logits.shape[0]
         wants = p.wants_logprobs[rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
         for index in np.flatnonzero(p.special[rows]):
-            _adjust_row(logits[index], requests[index])
+            count = None if output_counts is None else int(output_counts[index])
+            _adjust_row(logits[index], requests[index], count)
         greedy = p.greedy[rows]
         token_ids = torch.argmax(logits, dim=-1)
         if not greedy.all():
             token_ids = torch.where(
                 torch.from_numpy(greedy).to(self.device, non_blocking=True), token_ids, self._sample(logits, rows)
             )
-        ids = token_ids.tolist()  # the one host sync of the step
-        logprobs = top_ids = top_values = None
+        result = SampleResult(token_ids=token_ids, wants=wants, top_counts=p.top_logprobs[rows])
         if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-            logprobs = [chosen[i] if wants[i] else None for i in range(m)]
-            counts = p.top_logprobs[rows]
-            k_max = int(counts.max())
-            top_ids = [[] for _ in range(m)]
-            top_values = [[] for _ in range(m)]
+            result.chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+            k_max = int(result.top_counts.max())
             if k_max:
-                values, indices = torch.topk(raw_logprobs, k_max, dim=-1)
-                values, indices = values.tolist(), indices.tolist()
-                for i in np.flatnonzero(counts):
-                    top_ids[i] = indices[i][: counts[i]]
-                    top_values[i] = values[i][: counts[i]]
-        return ids, logprobs, top_ids, top_values
+                result.top_values, result.top_indices = torch.topk(raw_logprobs, k_max, dim=-1)
+        return result
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         p = self.params
@@ -151,9 +191,12 @@ class GpuSampler:
         return torch.argmax(probs / noise, dim=-1)
 
 
-def _adjust_row(row: torch.Tensor, request: Request) -> None:
-    """Penalties and bans of one request, as the CPU reference sampler applies them."""
+def _adjust_row(row: torch.Tensor, request: Request, num_output: int | None = None) -> None:
+    """Penalties and bans of one request, as the CPU reference sampler applies them.
+    `num_output`: its generated tokens, in flight included (default: what it holds)."""
     params = request.params
+    if num_output is None:
+        num_output = request.num_output_tokens
     device = row.device
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
@@ -168,7 +211,7 @@ def _adjust_row(row: torch.Tensor, request: Request) -> None:
     for sequence in request.banned_multi:
         if _tail_matches(request.token_ids, sequence[:-1]):
             banned.add(sequence[-1])
-    if request.num_output_tokens < params.min_tokens:
+    if num_output < params.min_tokens:
         banned |= request.stop_token_ids
     if banned:
         row[torch.tensor(sorted(banned), dtype=torch.int64, device=device)] = float("-inf")

@@ -43,7 +43,7 @@ def model_spec(dtype: str) -> ModelSpec:
 def gpu_config(**overrides) -> EngineConfig:
     values = dict(
         device="gpu", gpu_ids=(0,), max_batch_size=32, max_num_tokens=2048, max_input_length=1024,
-        max_output_len=256, num_kv_blocks=512, cuda_graphs=True,
+        max_output_len=256, num_kv_blocks=512, cuda_graphs=True, async_scheduling=True,
     )
     values.update(overrides)
     return EngineConfig(**values)
@@ -159,9 +159,9 @@ def test_fp32_prefix_hits_equal_transformers(fp32_engine_and_reference):
     assert_equal(reference, prompts, [16] * 6, first + rest)
 
 
-def test_fp32_eager_equals_transformers(fp32_engine_and_reference):
+def test_fp32_eager_synchronous_equals_transformers(fp32_engine_and_reference):
     engine, reference = fp32_engine_and_reference
-    eager = fresh_engine(engine, cuda_graphs=False)
+    eager = fresh_engine(engine, cuda_graphs=False, async_scheduling=False)
     assert not eager.runner.graphs
     prompts = make_prompts(6, engine.vocab_size, seed=5)
     assert_equal(reference, prompts, [20] * 6, run(eager, prompts, [20] * 6))
