@@ -36,7 +36,10 @@ def model_spec(dtype: str) -> ModelSpec:
             if (prepare(spec) / "model.safetensors").exists():
                 return spec
         except Exception:  # noqa: BLE001 - the package is not there: fall back to random weights
-            pass
+            if os.environ.get("INFLIGHTLLM_GPU_TEST_REAL") == "1":
+                raise
+    if os.environ.get("INFLIGHTLLM_GPU_TEST_REAL") == "1":
+        raise RuntimeError("INFLIGHTLLM_GPU_TEST_REAL=1 but the real SmolLM2 weights are not prepared")
     return ModelSpec(source="random", shape="smollm2-135m", seed=0, dtype=dtype)
 
 
