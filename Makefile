@@ -10,11 +10,16 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
+# GPU hosts whose Python has NumPy 2: the NumPy < 2 venv that preprocessing/postprocessing
+# run in (EXECUTION_ENV_PATH); empty = none (the committed model_repo/ has none).
+TOKENIZER_ENV ?=
+# Where bundle parts are installed on the air-gapped host (tools/bundle_install.py).
+BUNDLE_PREFIX ?= $(HOME)/inflightllm-bundle
 
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve test test-fast lint render-configs check-configs prepare-model demo bench clean
+.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -35,13 +40,24 @@ prepare-model: install
 	$(PY) -m inflightllm.model_source --profile $(PROFILE)
 
 render-configs: install
-	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT)
+	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
 
 check-configs: install
-	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) --check
+	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) --check $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
 
 serve: install
-	$(PY) tools/serve.py --profile $(PROFILE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) tools/serve.py --profile $(PROFILE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
+
+# The air-gapped GPU host: parts of at most 40 MiB under build/bundle/ (tools/bundle.py;
+# downloads cp312 wheels once into build/bundle-cache/). On the host, per part:
+# `bash build/bundle/partN/install.sh`, then `make serve-bundle PROFILE=...` (no install step).
+bundle: install
+	$(PY) tools/bundle.py --out build/bundle
+
+serve-bundle:
+	INFLIGHTLLM_CACHE_DIR=$${INFLIGHTLLM_CACHE_DIR:-$(BUNDLE_PREFIX)/cache} $(BUNDLE_PREFIX)/venv/bin/python tools/serve.py \
+		--profile $(PROFILE) --server-dir $(BUNDLE_PREFIX)/tritonserver --tokenizer-env $(BUNDLE_PREFIX)/venv-np1 \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 demo: install
 	$(PY) tools/demo.py --profile $(PROFILE)

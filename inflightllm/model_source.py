@@ -177,6 +177,39 @@ def tokenizer_spec(spec: ModelSpec) -> ModelSpec:
     return ModelSpec(source="hf_folder", path=spec.tokenizer)
 
 
+def tokenizer_cache_dir(spec: ModelSpec) -> Path:
+    """Where the tokenizer files of a `gguf_package` source are cached on their own:
+    `<cache>/tokenizers/<package>--<file stem>`. Named without the package's version or
+    the file's size, so that the folder can be seeded on a machine that has the
+    tokenizer files but not (yet) the package (the air-gapped bundle, tools/bundle.py)."""
+    return cache_root() / "tokenizers" / f"{spec.package}--{Path(spec.file or '').stem}"
+
+
+def prepare_tokenizer(spec: ModelSpec) -> Path:
+    """A folder with the tokenizer files of `spec` (weights not needed). For a
+    `gguf_package` source: the tokenizer cache folder when it is there (seeded), else
+    the files of the converted model, copied there once; any other source: `prepare`."""
+    if spec.source != "gguf_package":
+        return prepare(spec)
+    out_dir = tokenizer_cache_dir(spec)
+    if (out_dir / "tokenizer.json").is_file() or (out_dir / "tokenizer_config.json").is_file():
+        return out_dir
+    source_dir = prepare(spec)
+    with _locked(out_dir.parent / (out_dir.name + ".lock")):
+        if not (out_dir / "tokenizer.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+            try:
+                for name in TOKENIZER_FILES:
+                    if (source_dir / name).is_file():
+                        shutil.copy2(source_dir / name, tmp / name)
+                if out_dir.exists():
+                    shutil.rmtree(out_dir)
+                tmp.rename(out_dir)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
 def prepare(spec: ModelSpec) -> Path:
     """Return a local folder with config.json and tokenizer files (and weights unless random)."""
     if spec.source not in SOURCES:
@@ -204,7 +237,8 @@ def prepare(spec: ModelSpec) -> Path:
         config = shape_config(spec.shape or "")
     except KeyError as error:
         raise ModelSourceError(f"model.shape: {error.args[0]}") from None
-    tokenizer_dir = prepare(tokenizer_spec(spec))
+    # Only the tokenizer files are needed: a seeded tokenizer cache is enough (no GGUF).
+    tokenizer_dir = prepare_tokenizer(tokenizer_spec(spec))
     key = hashlib.sha256(json.dumps([config, str(tokenizer_dir)], sort_keys=True).encode()).hexdigest()[:12]
     out_dir = cache_root() / "models" / f"random--{spec.shape}--{key}"
     with _locked(out_dir.parent / (out_dir.name + ".lock")):

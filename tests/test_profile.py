@@ -23,9 +23,9 @@ from inflightllm.profile import (
 )
 
 ENGINE_KEYS = (
-    "batching_strategy, block_size, enable_kv_cache_reuse, gpu_memory_utilization, kv_cache_bytes, "
+    "batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, kv_cache_bytes, "
     "max_batch_size, max_input_length, max_num_tokens, max_output_len, priority_levels, queue_policy, "
-    "stream_interval"
+    "step_timeout_s, stream_interval"
 )
 
 # A small CPU profile with a tiny random model (no files read): 2 layers, 4 heads,
@@ -190,7 +190,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         ),
         (
             [("device.num_gpus", 1)],
-            "device.num_gpus: unknown key; allowed keys: gpu_ids, kind, tensor_parallel_size",
+            "device.num_gpus: unknown key; allowed keys: data_parallel_size, gpu_ids, kind, tensor_parallel_size",
         ),
         (
             [("instances.engine", 2)],
@@ -315,8 +315,9 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         ),
         # device
         (
-            [("device.tensor_parallel_size", 2)],
-            "device.tensor_parallel_size: 2 is not allowed with device.kind 'cpu'; cpu requires 1",
+            [("device.data_parallel_size", 2)],
+            "device.data_parallel_size: 2 is not allowed with device.kind 'cpu'; data parallelism places one "
+            "engine instance per GPU (group); cpu requires 1",
         ),
         ([("device.gpu_ids", [0])], "device.gpu_ids: must be empty with device.kind 'cpu', got [0]"),
         (
@@ -377,7 +378,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         (
             [("model.shape", "llama9")],
             "model.shape: unknown model shape 'llama9'; known shapes: "
-            "llama3-70b, llama3-8b, tiny-llama3, tiny-mistral, tiny-qwen2",
+            "llama3-70b, llama3-8b, smollm2-135m, tiny-llama3, tiny-mistral, tiny-qwen2",
         ),
         ([("model.shape", "")], "model.shape: must not be empty"),
     ],

@@ -15,9 +15,13 @@ lays them out as a server folder that `tritonserver --backend-directory` accepts
                       that lib/ on LD_LIBRARY_PATH and runs this venv's perf_analyzer
 
 `--copy` copies the libraries instead of linking them (for an offline bundle that
-must not point back into a virtual environment).
+must not point back into a virtual environment); the unhashed alias names are then
+relative links to the copies. `--python-version 3.12` takes another Python's stub (the
+wheel has 3.8 ... 3.13); the folder then suits a machine whose Python is that version.
+`--no-perf-analyzer-wrapper` skips `../bin/perf_analyzer` (a bundle brings its own).
+`tools/bundle.py` uses all three for the air-gapped GPU host.
 
-Usage: python tools/build_server.py [--out build/tritonserver] [--copy]
+Usage: python tools/build_server.py [--out build/tritonserver] [--copy] [--python-version X.Y]
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from pathlib import Path
 # perf_analyzer (tritonclient 2.51) links these unhashed names; the wheel's hashed
 # copies serve under them.
 PERF_ANALYZER_ALIASES = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
+# In the wheel's library folder but linked by none of the server's files (pytriton's own
+# Python): left out of a copied folder, where it would add 32 MB.
+UNNEEDED_LIBRARY_PREFIXES = ("libpython3",)
 
 
 def pytriton_paths() -> tuple[Path, Path]:
@@ -62,24 +69,31 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
         dst.symlink_to(src.resolve())
 
 
-def build(out_dir: Path, copy: bool = False) -> Path:
-    """Lay out the server folder at `out_dir`; return it. Idempotent."""
+def build(
+    out_dir: Path, copy: bool = False, python_version: str | None = None, perf_analyzer_wrapper: bool = True
+) -> Path:
+    """Lay out the server folder at `out_dir`; return it. Idempotent.
+
+    `python_version` ("3.12") picks the stub of another Python than this one;
+    `perf_analyzer_wrapper=False` writes no `../bin/perf_analyzer`."""
     server_dir, libs_dir = pytriton_paths()
-    stub = server_dir / "python_backend_stubs" / python_version_tag() / "triton_python_backend_stub"
+    version = python_version or python_version_tag()
+    stub = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise SystemExit(
-            f"build_server: the wheel has no Python backend stub for Python {python_version_tag()}"
+            f"build_server: the wheel has no Python backend stub for Python {version}"
             f" (looked for {stub})"
         )
     stamp = out_dir / "BUILD_INFO.json"
     info = {
         "source": str(server_dir),
-        "python": python_version_tag(),
+        "python": version,
         "copy": copy,
         "stub_size": stub.stat().st_size,
     }
     if stamp.exists() and json.loads(stamp.read_text()) == info and (out_dir / "bin" / "tritonserver").exists():
-        write_perf_analyzer_wrapper(out_dir)  # refreshed even when the folder is current
+        if perf_analyzer_wrapper:
+            write_perf_analyzer_wrapper(out_dir)  # refreshed even when the folder is current
         return out_dir
 
     if out_dir.exists():
@@ -98,15 +112,21 @@ def build(out_dir: Path, copy: bool = False) -> Path:
         shutil.copy2(cache_lib, out_dir / "caches" / "local" / cache_lib.name)
 
     for lib in sorted(libs_dir.iterdir()):
+        if copy and lib.name.startswith(UNNEEDED_LIBRARY_PREFIXES):
+            continue
         _place(lib, out_dir / "lib" / lib.name, copy)
     for alias, prefix in PERF_ANALYZER_ALIASES.items():
         matches = sorted(libs_dir.glob(prefix + "*"))
         if not matches:
             raise SystemExit(f"build_server: no {prefix}* library in {libs_dir} to serve as {alias}")
-        _place(matches[0], out_dir / "lib" / alias, copy)
+        if copy:  # a relative link to the copy: the folder stays movable and small
+            (out_dir / "lib" / alias).symlink_to(matches[0].name)
+        else:
+            _place(matches[0], out_dir / "lib" / alias, copy)
 
     stamp.write_text(json.dumps(info, indent=2) + "\n")
-    write_perf_analyzer_wrapper(out_dir)
+    if perf_analyzer_wrapper:
+        write_perf_analyzer_wrapper(out_dir)
     return out_dir
 
 
@@ -145,8 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("build/tritonserver"))
     parser.add_argument("--copy", action="store_true", help="copy libraries instead of linking")
+    parser.add_argument("--python-version", help="the stub of this Python (X.Y; default: this Python's)")
+    parser.add_argument("--no-perf-analyzer-wrapper", action="store_true", help="write no ../bin/perf_analyzer")
     args = parser.parse_args(argv)
-    out = build(args.out, copy=args.copy)
+    out = build(
+        args.out,
+        copy=args.copy,
+        python_version=args.python_version,
+        perf_analyzer_wrapper=not args.no_perf_analyzer_wrapper,
+    )
     print(f"tritonserver folder ready: {os.path.relpath(out)}")
     return 0
 

@@ -4,7 +4,14 @@ The default profile serves the committed `model_repo/`; any other profile is ren
 into `build/model_repo-<profile name>/` first. The model is prepared (converted and
 cached) before the server starts, so the server's model load takes seconds.
 
+On a GPU host whose Python has NumPy 2 (the air-gapped bundle, tools/bundle.py),
+`--tokenizer-env DIR` names the NumPy < 2 venv that preprocessing and postprocessing run
+in (EXECUTION_ENV_PATH); the repository is then always rendered into
+`build/model_repo-<profile name>-tokenizer-env/`. `--server-dir` names the server folder
+(default `build/tritonserver`).
+
 Usage: python tools/serve.py [--profile profiles/smollm2-cpu.yaml] [--http-port 8000 ...]
+       python tools/serve.py --profile P --server-dir DIR --tokenizer-env DIR
 """
 
 from __future__ import annotations
@@ -21,10 +28,15 @@ from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # n
 from tools import render_configs, server_launcher  # noqa: E402
 
 
-def repository_for(profile, build_dir: Path = REPO_ROOT / "build") -> Path:
+def repository_for(profile, build_dir: Path = REPO_ROOT / "build", tokenizer_env: str | None = None) -> Path:
     """The model repository to serve for a loaded profile: the committed `model_repo/`
     for the default profile (refusing to serve it if it drifted), else a render into
-    `<build_dir>/model_repo-<name>`."""
+    `<build_dir>/model_repo-<name>`; with a tokenizer environment always a render, into
+    `<build_dir>/model_repo-<name>-tokenizer-env`."""
+    if tokenizer_env:
+        out = Path(build_dir) / f"model_repo-{profile.name}-tokenizer-env"
+        render_configs.render(profile, out, tokenizer_env=tokenizer_env)
+        return out
     if Path(profile.source_path).resolve() == DEFAULT_PROFILE.resolve():
         drift = render_configs.check(profile, REPO_ROOT / "model_repo")
         if drift:
@@ -45,10 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--server-dir", type=Path, default=server_launcher.DEFAULT_SERVER_DIR)
+    parser.add_argument(
+        "--tokenizer-env", help="NumPy < 2 venv for preprocessing/postprocessing (EXECUTION_ENV_PATH)"
+    )
     args = parser.parse_args(argv)
+    if args.tokenizer_env and not (Path(args.tokenizer_env) / "bin" / "activate").is_file():
+        print(f"--tokenizer-env: {args.tokenizer_env} is not a venv (no bin/activate)", file=sys.stderr)
+        return 2
     try:
         profile = load_profile(args.profile)
-        repository = repository_for(profile)
+        tokenizer_env = str(Path(args.tokenizer_env).absolute()) if args.tokenizer_env else None
+        repository = repository_for(profile, tokenizer_env=tokenizer_env)
     except ProfileError as error:
         print(error, file=sys.stderr)
         return 2
@@ -60,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "--grpc-port", str(args.grpc_port),
         "--metrics-port", str(args.metrics_port),
         "--log-verbose", str(args.log_verbose),
+        "--server-dir", str(args.server_dir),
     ])
 
 
