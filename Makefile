@@ -9,12 +9,14 @@ OUT ?= model_repo
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+HOST ?= 127.0.0.1
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve test test-fast lint render-configs check-configs prepare-model demo bench clean
+.PHONY: install serve serve-openai test test-fast lint render-configs check-configs prepare-model demo bench clean
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -41,7 +43,14 @@ check-configs: install
 	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) --check
 
 serve: install
-	$(PY) tools/serve.py --profile $(PROFILE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) tools/serve.py --profile $(PROFILE) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+# The OpenAI-compatible API on $(HOST):$(OPENAI_PORT), with its own tritonserver (on the
+# ports above, loopback only); TRITON_GRPC=host:port attaches to a running one instead.
+serve-openai: install
+	$(PY) tools/serve_openai.py --profile $(PROFILE) --host $(HOST) --port $(OPENAI_PORT) \
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	    $(if $(TRITON_GRPC),--triton-grpc $(TRITON_GRPC))
 
 demo: install
 	$(PY) tools/demo.py --profile $(PROFILE)

@@ -97,6 +97,7 @@ class TritonServer:
     metrics_port: int = 0
     log_path: Path | None = None
     log_verbose: int = 0
+    host: str = "127.0.0.1"  # the address HTTP, gRPC and metrics listen on
     extra_args: list[str] = field(default_factory=list)
     env: dict | None = None
     process: subprocess.Popen | None = None
@@ -112,16 +113,21 @@ class TritonServer:
             self.log_path = Path(name)
 
     @property
+    def client_host(self) -> str:
+        """Where a client on this machine reaches the server."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.client_host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.client_host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
         return [
@@ -129,11 +135,11 @@ class TritonServer:
             f"--model-repository={self.model_repository}",
             f"--backend-directory={self.server_dir / 'backends'}",
             f"--cache-directory={self.server_dir / 'caches'}",
-            "--http-address=127.0.0.1",
+            f"--http-address={self.host}",
             f"--http-port={self.http_port}",
-            "--grpc-address=127.0.0.1",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
-            "--metrics-address=127.0.0.1",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
@@ -232,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     server = TritonServer(
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,
+        host=args.host,
         extra_args=args.extra,
     )
     print(f"starting tritonserver on {args.model_repository} (HTTP {server.http_url}, gRPC {server.grpc_url}, "
