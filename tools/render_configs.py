@@ -95,6 +95,16 @@ ENSEMBLE_INPUTS = (
     _t("return_finish_reason", "TYPE_BOOL", optional=True),
     _t("return_num_input_tokens", "TYPE_BOOL", optional=True),
     _t("return_num_output_tokens", "TYPE_BOOL", optional=True),
+    # TensorRT-LLM's names (docs/INTERFACE.md, "Other backends' names").
+    _t("random_seed", "TYPE_UINT64", optional=True),
+    _t("min_length", "TYPE_INT32", optional=True),
+    _t("beam_width", "TYPE_INT32", optional=True),
+    _t("length_penalty", "TYPE_FP32", optional=True),
+    _t("return_context_logits", "TYPE_BOOL", optional=True),
+    _t("return_generation_logits", "TYPE_BOOL", optional=True),
+    # vLLM's.
+    _t("return_cumulative_logprob", "TYPE_BOOL", optional=True),
+    _t("return_logprobs", "TYPE_BOOL", optional=True),
 )
 
 # docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them.
@@ -109,6 +119,8 @@ ENSEMBLE_OUTPUTS = (
     _t("output_log_probs", "TYPE_FP32", (-1,)),
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+    _t("cumulative_logprob", "TYPE_FP32"),  # vLLM's name of cum_log_probs
+    _t("batch_index", "TYPE_INT32"),  # TensorRT-LLM's; always 0 (one prompt per request)
 )
 
 # docs/INTERFACE.md "preprocessing -> engine": preprocessing always emits all of them.
