@@ -338,6 +338,28 @@ def check(profile: Profile, out_dir) -> list[str]:
     return drift
 
 
+def fix_advice(profile: Profile, profile_arg, out_dir) -> str:
+    """What to run after `--check` found drift. The committed `model_repo/` belongs to the
+    default profile: for another profile, advise a folder of its own, never a command
+    that would overwrite the committed repository."""
+    committed = (REPO_ROOT / "model_repo").resolve()
+    is_default = Path(profile.source_path).resolve() == DEFAULT_PROFILE.resolve()
+    if Path(out_dir).resolve() == committed and not is_default:
+        own = f"build/model_repo-{profile.name}"
+        return (f"model_repo/ is the render of the default profile ({profile_display_path_of(DEFAULT_PROFILE)}), "
+                f"so it differs from {profile_arg} by design; render this profile into a folder of its own: "
+                f"python tools/render_configs.py --profile {profile_arg} --out {own} "
+                f"(make render-configs PROFILE={profile_arg} OUT={own})")
+    return f"run: python tools/render_configs.py --profile {profile_arg} --out {out_dir}"
+
+
+def profile_display_path_of(path: Path) -> str:
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Render a profile into a Triton model repository.")
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="profile YAML (default: %(default)s)")
@@ -354,10 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         if drift:
             for item in drift:
                 print(item)
-            print(
-                f"{args.out}: {len(drift)} file(s) differ from a fresh render of {args.profile}; "
-                f"run: python tools/render_configs.py --profile {args.profile} --out {args.out}"
-            )
+            print(f"{args.out}: {len(drift)} file(s) differ from a fresh render of {args.profile}; "
+                  + fix_advice(profile, args.profile, args.out))
             return 1
         print(f"{args.out}: up to date with {args.profile}")
         return 0

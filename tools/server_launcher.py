@@ -98,6 +98,9 @@ class TritonServer:
     log_path: Path | None = None
     log_verbose: int = 0
     host: str = "127.0.0.1"  # the address HTTP, gRPC and metrics listen on
+    # A log file made here (log_path not given) is removed by stop(), unless this is set or
+    # the server failed to start (then the failure report names it).
+    keep_log: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict | None = None
     process: subprocess.Popen | None = None
@@ -107,6 +110,7 @@ class TritonServer:
         self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
+        self._temporary_log = self.log_path is None
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(handle)
@@ -174,10 +178,12 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.keep_log = True
                 raise ServerStartError(self._failure_report(f"tritonserver exited with status {self.process.returncode}"))
             if self.is_ready():
                 return self
             time.sleep(0.5)
+        self.keep_log = True
         self.stop()
         raise ServerStartError(self._failure_report(f"tritonserver was not ready after {timeout:.0f} s"))
 
@@ -208,8 +214,10 @@ class TritonServer:
         return "\n".join(lines)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout` seconds. Returns the exit status."""
+        """SIGTERM, then SIGKILL after `timeout` seconds. Returns the exit status.
+        A temporary log is removed (see `keep_log`)."""
         if self.process is None or self.process.poll() is not None:
+            self._remove_temporary_log()
             return None if self.process is None else self.process.returncode
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -221,7 +229,12 @@ class TritonServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             status = self.process.wait(timeout=10)
         self._log_thread.join(timeout=5)
+        self._remove_temporary_log()
         return status
+
+    def _remove_temporary_log(self) -> None:
+        if self._temporary_log and not self.keep_log and self.log_path is not None:
+            Path(self.log_path).unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
