@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,10 @@ async def _serve(args, triton_grpc: str) -> int:
     return 0
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="served when Triton is started here")
@@ -99,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning, file=sys.stderr)
 
+    # uvicorn re-raises a SIGTERM it caught once it has shut down; as KeyboardInterrupt it
+    # reaches the `finally` below, which stops the tritonserver started here (it runs in a
+    # session of its own and would otherwise outlive us).
+    signal.signal(signal.SIGTERM, _terminate)
     server = None
     triton_grpc = args.triton_grpc
     if triton_grpc is None:
