@@ -9,6 +9,8 @@ OUT ?= model_repo
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+HOST ?= 127.0.0.1
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 # GPU hosts whose Python has NumPy 2: the NumPy < 2 venv that preprocessing/postprocessing
 # run in (EXECUTION_ENV_PATH); empty = none (the committed model_repo/ has none).
@@ -19,7 +21,7 @@ BUNDLE_PREFIX ?= $(HOME)/inflightllm-bundle
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean
+.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -46,7 +48,7 @@ check-configs: install
 	$(PY) tools/render_configs.py --profile $(PROFILE) --out $(OUT) --check $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
 
 serve: install
-	$(PY) tools/serve.py --profile $(PROFILE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
+	$(PY) tools/serve.py --profile $(PROFILE) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(TOKENIZER_ENV),--tokenizer-env $(TOKENIZER_ENV))
 
 # The air-gapped GPU host: parts of at most 40 MiB under build/bundle/ (tools/bundle.py;
 # downloads cp312 wheels once into build/bundle-cache/). On the host, per part:
@@ -59,11 +61,54 @@ serve-bundle:
 		--profile $(PROFILE) --server-dir $(BUNDLE_PREFIX)/tritonserver --tokenizer-env $(BUNDLE_PREFIX)/venv-np1 \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+
+# The OpenAI-compatible API on $(HOST):$(OPENAI_PORT), with its own tritonserver (on the
+# ports above, loopback only); TRITON_GRPC=host:port attaches to a running one instead.
+serve-openai: install
+	$(PY) tools/serve_openai.py --profile $(PROFILE) --host $(HOST) --port $(OPENAI_PORT) \
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	    $(if $(TRITON_GRPC),--triton-grpc $(TRITON_GRPC))
+
+# genai-perf and AIPerf each in a venv of its own: their NumPy 2, pandas and transformers
+# collide with the project's NumPy < 2 (the Python stub needs it).
+GENAI_PERF_VENV := build/genai-perf-venv
+AIPERF_VENV := build/aiperf-venv
+GENAI_PERF_STAMP := $(GENAI_PERF_VENV)/.installed
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+AIPERF_VERSION ?= 0.13.0
+
+$(GENAI_PERF_STAMP):
+	test -x $(GENAI_PERF_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_PERF_VENV)
+	# kaleido 0.2.1 carries its own headless Chromium for the plots (JPEG); kaleido 1.x
+	# downloads Chrome at run time, which cannot be done here. It needs plotly < 6.
+	$(GENAI_PERF_VENV)/bin/pip install -q genai-perf==0.0.16 kaleido==0.2.1 'plotly<6'
+	touch $@
+
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q aiperf==$(AIPERF_VERSION)
+	touch $@
+
+
+genai-perf-venv: $(GENAI_PERF_STAMP)
+aiperf-venv: $(AIPERF_STAMP)
+
+# Short genai-perf profiles in its four formats (Triton tensorrtllm and vllm, OpenAI chat
+# and completions) against a server started here; exports and plots in build/genai-perf/.
+genai-perf: install prepare-model $(GENAI_PERF_STAMP)
+	$(PY) perf/genai_perf_profiles.py --out build/genai-perf
+
+# Short AIPerf profiles (OpenAI chat and completions, streaming) against the front end.
+aiperf: install prepare-model $(AIPERF_STAMP)
+	$(PY) perf/aiperf_profiles.py --out build/aiperf
+
 demo: install
 	$(PY) tools/demo.py --profile $(PROFILE)
 
 # The model is converted once before the tests, not inside the first server's model load.
-test: install prepare-model
+# genai-perf's and AIPerf's venvs are built for tests/test_load_generators.py (a few
+# minutes the first time).
+test: install prepare-model $(GENAI_PERF_STAMP) $(AIPERF_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -46,7 +46,10 @@ SCALAR_INPUT_TYPES = {
     "num_top_logprobs": "INT32",
     "return_log_probs": "BOOL",
 }
-_NUMPY_TYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+_NUMPY_TYPES = {
+    "BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
+    "FP32": np.float32,
+}
 
 # gRPC status codes that mean "no server there" rather than "the server said no".
 _UNREACHABLE_STATUSES = ("StatusCode.UNAVAILABLE",)
@@ -132,8 +135,9 @@ class GenerationStats:
         )
 
 
-def _infer_input(name: str, datatype: str, values: Sequence):
-    """One input with the batch dimension: shape [1, len(values)]."""
+def infer_input(name: str, datatype: str, values: Sequence):
+    """One input with the batch dimension: shape [1, len(values)] (str values are
+    UTF-8 encoded). Serves the sync and the asyncio gRPC clients alike."""
     import tritonclient.grpc as grpcclient
 
     row = [value.encode("utf-8") if isinstance(value, str) else value for value in values]
@@ -171,19 +175,19 @@ def build_inputs(
         raise ValueError("give exactly one of prompt and messages")
     inputs = []
     if messages is not None:
-        inputs.append(_infer_input("messages", "BYTES", [json.dumps(messages, ensure_ascii=False)]))
+        inputs.append(infer_input("messages", "BYTES", [json.dumps(messages, ensure_ascii=False)]))
     else:
-        inputs.append(_infer_input("text_input", "BYTES", [prompt]))
-    inputs.append(_infer_input("max_tokens", "INT32", [max_tokens]))
-    inputs.append(_infer_input("stream", "BOOL", [stream]))
-    inputs.append(_infer_input("exclude_input_in_output", "BOOL", [exclude_input_in_output]))
+        inputs.append(infer_input("text_input", "BYTES", [prompt]))
+    inputs.append(infer_input("max_tokens", "INT32", [max_tokens]))
+    inputs.append(infer_input("stream", "BOOL", [stream]))
+    inputs.append(infer_input("exclude_input_in_output", "BOOL", [exclude_input_in_output]))
     if stop:
-        inputs.append(_infer_input("stop_words", "BYTES", list(stop)))
+        inputs.append(infer_input("stop_words", "BYTES", list(stop)))
     for name, value in parameters.items():
         if name not in SCALAR_INPUT_TYPES:
             raise ValueError(f"unknown input {name!r}; known: {', '.join(SCALAR_INPUT_TYPES)}")
         if value is not None:
-            inputs.append(_infer_input(name, SCALAR_INPUT_TYPES[name], [value]))
+            inputs.append(infer_input(name, SCALAR_INPUT_TYPES[name], [value]))
     return inputs
 
 

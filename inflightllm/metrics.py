@@ -3,6 +3,9 @@
 The names are documented in docs/METRICS.md. `EngineMetrics` is created by the
 `engine` model with `triton_python_backend_utils` (passed in, so this module imports
 nothing from Triton) and updated by the engine loop after every step.
+
+Beside our `inflightllm_*` series, the same figures are exported under the vLLM names
+that existing Grafana dashboards read (`vllm:num_requests_running`, ...; `VllmAliases`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class EngineMetrics:
         self.e2e = histogram("inflightllm_e2e_request_latency_seconds", "End-to-end request latency").Metric(
             labels=labels, buckets=E2E_BUCKETS)
         self._last: EngineStats | None = None
+        self.vllm = VllmAliases(make, family, model_name)
 
     def update(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Set gauges, add counter deltas, observe finished requests' latencies."""
@@ -107,3 +111,88 @@ class EngineMetrics:
                 self.tpot.observe(output.time_per_output_token)
             if output.e2e_latency is not None:
                 self.e2e.observe(output.e2e_latency)
+        self.vllm.update(stats, last, outputs)
+
+
+# Token-count histogram buckets (vLLM's 1-2-5 series).
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+# vLLM's finished_reason label values for ours ("cancelled" is vLLM's "abort").
+VLLM_FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class VllmAliases:
+    """The figures of EngineMetrics under vLLM's metric names (docs/METRICS.md).
+
+    Labels: `model` (as Triton's vLLM backend) and `model_name` (as vLLM's own server),
+    both the Triton model name, so dashboards written for either find the series.
+    """
+
+    def __init__(self, make, kinds, model_name: str):
+        """`make(name, description, kind)` creates a MetricFamily; `kinds` has the
+        GAUGE, COUNTER and HISTOGRAM kinds (pb_utils.MetricFamily)."""
+        labels = {"model": model_name, "model_name": model_name}
+        self._make = make
+        self._kinds = kinds
+        self.running = self._gauge("vllm:num_requests_running", "Requests running (inflightllm_requests running)", labels)
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting (inflightllm_requests waiting)", labels)
+        self.gpu_cache_usage = self._gauge("vllm:gpu_cache_usage_perc",
+                                           "KV-cache usage, 0 to 1 (inflightllm_kv_cache_usage_ratio)", labels)
+        self.kv_cache_usage = self._gauge("vllm:kv_cache_usage_perc",
+                                          "KV-cache usage, 0 to 1 (inflightllm_kv_cache_usage_ratio)", labels)
+        self.prompt_tokens = self._counter("vllm:prompt_tokens_total", "Prompt tokens received", labels)
+        self.generation_tokens = self._counter("vllm:generation_tokens_total", "Tokens generated", labels)
+        self.preemptions = self._counter("vllm:num_preemptions_total", "Requests preempted", labels)
+        self.prefix_queries = self._counter("vllm:prefix_cache_queries_total",
+                                            "Prompt tokens looked up in the prefix cache", labels)
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits_total",
+                                         "Prompt tokens found in the prefix cache", labels)
+        success = make("vllm:request_success_total", "Finished requests by finished_reason", kinds.COUNTER)
+        self.success = {ours: success.Metric(labels={**labels, "finished_reason": theirs})
+                        for ours, theirs in VLLM_FINISHED_REASONS.items()}
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token", labels, TTFT_BUCKETS)
+        self.tpot = self._histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+                                    labels, TPOT_BUCKETS)
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                                   E2E_BUCKETS)
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request", labels, TOKEN_BUCKETS)
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request", labels, TOKEN_BUCKETS)
+
+    def _gauge(self, name, description, labels):
+        return self._make(name, description, self._kinds.GAUGE).Metric(labels=labels)
+
+    def _counter(self, name, description, labels):
+        return self._make(name, description, self._kinds.COUNTER).Metric(labels=labels)
+
+    def _histogram(self, name, description, labels, buckets):
+        return self._make(name, description, self._kinds.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+    def update(self, stats: EngineStats, last: EngineStats | None, outputs: list[RequestOutput]) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.gpu_cache_usage.set(stats.kv_usage)
+        self.kv_cache_usage.set(stats.kv_usage)
+        for metric, now, before in (
+            (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total if last else 0),
+            (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total if last else 0),
+            (self.preemptions, stats.num_preemptions_total, last.num_preemptions_total if last else 0),
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits if last else 0),
+        ):
+            if now > before:
+                metric.increment(now - before)
+        for output in outputs:
+            if not output.finished:
+                continue
+            reason = output.finish_reason.text
+            if reason in self.success:
+                self.success[reason].increment(1)
+            if output.time_to_first_token is not None:
+                self.ttft.observe(output.time_to_first_token)
+            if output.time_per_output_token is not None:
+                self.tpot.observe(output.time_per_output_token)
+            if output.e2e_latency is not None:
+                self.e2e.observe(output.e2e_latency)
+            self.request_prompt_tokens.observe(output.num_prompt_tokens)
+            self.request_generation_tokens.observe(output.num_output_tokens)

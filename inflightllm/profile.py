@@ -130,13 +130,21 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
+def existing_profiles() -> list[str]:
+    """The repository's profiles, as paths relative to its root."""
+    return sorted(path.relative_to(REPO_ROOT).as_posix() for path in (REPO_ROOT / "profiles").glob("*.yaml"))
+
+
 def load_profile(path) -> Profile:
     """Read, parse and validate a profile YAML file; raises ProfileError."""
     file = str(path)
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise ProfileError(file, None, f"cannot read the profile: {error.strerror or error}") from None
+        problem = f"cannot read the profile: {error.strerror or error}"
+        if isinstance(error, FileNotFoundError):
+            problem += f"; profiles that exist: {', '.join(existing_profiles()) or 'none'}"
+        raise ProfileError(file, None, problem) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except _DuplicateKey as error:

@@ -301,3 +301,28 @@ def test_demo_picks_model_repo_for_the_default_profile_and_renders_others(tmp_pa
     for model in ("ensemble", "preprocessing", "engine", "postprocessing"):
         assert (rendered / model / "config.pbtxt").is_file(), model
     assert "llama3-8b-h200.yaml" in (rendered / "engine" / "config.pbtxt").read_text()
+
+
+def test_serve_refuses_a_gpu_profile_before_starting_triton_on_a_machine_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = subprocess.run(
+        [sys.executable, "tools/serve.py", "--profile", "profiles/llama3-8b-h200.yaml", "--http-port", "1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2, result
+    assert result.stderr.strip().endswith(
+        "profiles/llama3-8b-h200.yaml: device.kind: 'gpu' needs CUDA, and this machine has none "
+        "(torch.cuda.is_available() is False); serve a cpu profile here (e.g. profiles/smollm2-cpu.yaml)"
+    )
+    assert "starting tritonserver" not in result.stdout
+
+
+def test_serve_warns_when_listening_beyond_loopback():
+    from tools.serve_openai import loopback_warning
+
+    assert loopback_warning("127.0.0.1", "x") is None and loopback_warning("localhost", "x") is None
+    assert loopback_warning("0.0.0.0", "tritonserver").startswith(
+        "warning: tritonserver listens on 0.0.0.0: anyone who can reach this address can use it")

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from inflightllm.client import chat_messages, stream_generate
+from tests.ensemble_client import run_one
 
 pytestmark = pytest.mark.server
 
@@ -139,3 +140,58 @@ def test_sampling_parameters_is_a_json_string(endpoint):
     status, _, body = post(f"{endpoint}/generate", chat_body(sampling_parameters=params))
     assert status == 500
     assert json.loads(body) == {"error": "Unable to parse JSON bytes array: attempt to access JSON non-string as string"}
+
+
+# --- other backends' request names (TensorRT-LLM and vLLM), over HTTP and gRPC -------------------
+
+
+def test_tensorrt_llm_random_seed_takes_effect_over_http_and_grpc(endpoint, model_repo_server):
+    base = {"text_input": STORY_PROMPT, "max_tokens": 12, "exclude_input_in_output": True, "temperature": 1.0}
+
+    def http_text(**extra) -> str:
+        status, _, body = post(f"{endpoint}/generate", {**base, **extra})
+        assert status == 200, body
+        return json.loads(body)["text_output"]
+
+    seeded = http_text(seed=11)
+    assert http_text(random_seed=11) == seeded  # the same setting under TensorRT-LLM's name
+    assert len({http_text(random_seed=seed) for seed in (1, 2, 3, 11)}) > 1  # and it changes the sample
+    grpc = run_one(model_repo_server.grpc_url, {**base, "random_seed": 11, "stream": True})
+    assert grpc.error is None and grpc.text == seeded
+    # min_length: TensorRT-LLM's name of min_tokens (the chat answer would stop after 7 tokens).
+    _, _, body = post(f"{endpoint}/generate", chat_body(min_length=12, exclude_input_in_output=True))
+    answer = json.loads(body)
+    assert answer["num_output_tokens"] >= 12 and answer["batch_index"] == 0
+
+
+def test_features_this_engine_lacks_are_refused_not_ignored(endpoint, model_repo_server):
+    for extra, words in [
+        ({"beam_width": 2}, "input 'beam_width': 2 asks for beam search, which is not supported; allowed: 1"),
+        ({"length_penalty": 0.8}, "input 'length_penalty'"),
+        ({"return_generation_logits": True}, "input 'return_generation_logits': true is not supported"),
+    ]:
+        status, _, body = post(f"{endpoint}/generate", chat_body(**extra))
+        assert status == 400 and words in json.loads(body)["error"], body
+    accepted = {"beam_width": 1, "length_penalty": 1.0, "return_context_logits": False}
+    status, _, body = post(f"{endpoint}/generate", chat_body(exclude_input_in_output=True, **accepted))
+    assert status == 200 and json.loads(body)["text_output"] == ANSWER
+    result = run_one(model_repo_server.grpc_url, {"messages": chat_messages(QUESTION), "max_tokens": 8,
+                                                  "beam_width": 3})
+    assert "beam search, which is not supported" in result.error
+
+
+def test_vllm_names_take_effect(endpoint, model_repo_server):
+    # genai-perf's vLLM format: numbers as JSON strings, no max_tokens tensor.
+    body = {"text_input": STORY_PROMPT, "exclude_input_in_output": True, "stream": False,
+            "sampling_parameters": json.dumps({"max_tokens": "6", "min_tokens": "6", "n": 1}),
+            "return_cumulative_logprob": True}
+    status, _, text = post(f"{endpoint}/generate", body)
+    assert status == 200, text
+    answer = json.loads(text)
+    assert answer["num_output_tokens"] == 6
+    assert answer["cumulative_logprob"] == answer["cum_log_probs"] < 0
+    result = run_one(model_repo_server.grpc_url, {"text_input": STORY_PROMPT, "max_tokens": 6, "stream": False,
+                                                  "exclude_input_in_output": True, "return_logprobs": True})
+    assert result.error is None and len(result.last("output_log_probs").reshape(-1)) == 6
+    status, _, text = post(f"{endpoint}/generate", {**body, "sampling_parameters": json.dumps({"max_tokens": 6, "n": 2})})
+    assert status == 400 and "sampling_parameters key 'n': 2 is not supported" in text

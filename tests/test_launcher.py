@@ -47,6 +47,14 @@ def test_start_ready_and_stop(tmp_path):
     assert "successfully loaded 'preprocessing'" in log  # the log is kept
 
 
+def test_a_temporary_log_is_removed_at_stop(tmp_path):
+    server = TritonServer(tokenizer_only_repository(tmp_path))  # no log_path: a /tmp/tritonserver-*.log
+    server.start(timeout=180)
+    assert Path(server.log_path).is_file()
+    server.stop(timeout=60)
+    assert not Path(server.log_path).exists()
+
+
 def test_failure_report_names_the_model_that_failed(tmp_path):
     repository = tokenizer_only_repository(tmp_path)
     config = repository / "preprocessing" / "config.pbtxt"
@@ -55,6 +63,9 @@ def test_failure_report_names_the_model_that_failed(tmp_path):
     with pytest.raises(ServerStartError) as failure:
         server.start(timeout=120)
     report = str(failure.value)
+    assert Path(server.log_path).is_file()  # a failed start keeps its log, and the report names it
+    assert str(server.log_path) in report
+    Path(server.log_path).unlink()
     assert "tritonserver exited with status 1" in report
     assert "model 'preprocessing' failed to load" in report
     assert "max_batch_sise" in report  # the parser's own complaint is kept

@@ -254,7 +254,7 @@ ERROR_CASES = {
     ),
     "JSON string for a number": (
         {"sampling": {"temperature": "hot"}},
-        "sampling_parameters key 'temperature': \"hot\" is a string; expected a number",
+        "sampling_parameters key 'temperature': \"hot\" is a string that is not a number; expected a number",
     ),
     "JSON float for an integer": (
         {"sampling": {"top_k": 1.5}},
@@ -329,6 +329,50 @@ ERROR_CASES = {
         {"prompt": None, "messages": text('[{"role": "user", "content": "hi"}, {"role": "user"}]')},
         'input \'messages\': item 1 ({"role": "user"}) is not an object with string \'role\' and \'content\'; '
         'expected a non-empty JSON list of {"role": string, "content": string} objects',
+    ),
+    "unknown role": (
+        {"prompt": None, "messages": text('[{"role": "robot", "content": "hi"}]')},
+        "input 'messages': item 0 has role \"robot\"; allowed roles: system, user, assistant, tool",
+    ),
+    # Other backends' names.
+    "seed and random_seed": (
+        {"seed": scalar(1, np.uint64), "random_seed": scalar(1, np.uint64)},
+        "inputs 'seed' and 'random_seed': both were given; they are the same setting, allowed: one of them",
+    ),
+    "min_length above max_tokens": (
+        {"min_length": scalar(6, np.int32)},
+        "input 'min_length': 6 is out of range; allowed: 0 to max_tokens (5)",
+    ),
+    "beam search": (
+        {"beam_width": scalar(4, np.int32)},
+        "input 'beam_width': 4 asks for beam search, which is not supported; allowed: 1",
+    ),
+    "beam_width 0": (
+        {"beam_width": scalar(0, np.int32)},
+        "input 'beam_width': 0 is out of range; allowed: 1 (beam search is not supported)",
+    ),
+    "length_penalty": (
+        {"length_penalty": scalar(0.5, np.float32)},
+        "input 'length_penalty': 0.5 is not supported: the length penalty scores beams in beam search, "
+        "which this engine does not do; allowed: 1.0 (no penalty)",
+    ),
+    "context logits": (
+        {"return_context_logits": scalar(True, np.bool_)},
+        "input 'return_context_logits': true is not supported: this server returns no logits; allowed: false "
+        "(for log probabilities use return_log_probs and num_top_logprobs)",
+    ),
+    "generation logits": (
+        {"return_generation_logits": scalar(True, np.bool_)},
+        "input 'return_generation_logits': true is not supported: this server returns no logits; allowed: false "
+        "(for log probabilities use return_log_probs and num_top_logprobs)",
+    ),
+    "vLLM n": (
+        {"sampling": {"n": 2}},
+        "sampling_parameters key 'n': 2 is not supported; allowed: 1 (one output per request)",
+    ),
+    "vLLM number string that is not a number": (
+        {"max_tokens": None, "sampling": {"max_tokens": "lots"}},
+        "sampling_parameters key 'max_tokens': \"lots\" is a string that is not an integer; expected an integer",
     ),
 }
 
@@ -588,3 +632,50 @@ def test_adapter_fails_only_the_bad_request_of_a_batch(smollm2_tokenizer, monkey
     outputs = {t.name(): t.as_numpy() for t in responses[2].output_tensors}
     assert list(outputs) == list(ENGINE_REQUEST_DTYPES)
     assert outputs["input_ids"].tolist() == [HELLO_WORLD]
+
+
+# --- other backends' request names -----------------------------------------------------------
+
+
+def test_tensorrt_llm_names_take_effect(smollm2_tokenizer):
+    request = values(build(
+        smollm2_tokenizer,
+        random_seed=scalar(2**64 - 1, np.uint64),
+        min_length=scalar(3, np.int32),
+        beam_width=scalar(1, np.int32),
+        length_penalty=scalar(1.0, np.float32),
+        return_context_logits=scalar(False, np.bool_),
+        return_generation_logits=scalar(False, np.bool_),
+    ))
+    assert (request["seed"], request["min_tokens"]) == ((2**64 - 1) % 2**63, 3)
+    # The same as the engine's own names.
+    assert request == values(build(smollm2_tokenizer, seed=scalar(2**64 - 1, np.uint64),
+                                   min_tokens=scalar(3, np.int32)))
+
+
+@pytest.mark.parametrize("flag", ["return_cumulative_logprob", "return_logprobs"])
+def test_vllm_log_prob_flags_turn_on_log_probs(smollm2_tokenizer, flag):
+    assert values(build(smollm2_tokenizer, **{flag: scalar(True, np.bool_)}))["return_log_probs"] is True
+    assert values(build(smollm2_tokenizer, **{flag: scalar(False, np.bool_)}))["return_log_probs"] is False
+    request = values(build(smollm2_tokenizer, sampling={"logprobs": 2}, **{flag: scalar(True, np.bool_)}))
+    assert (request["return_log_probs"], request["num_top_logprobs"]) == (True, 2)
+
+
+def test_vllm_numbers_as_strings(smollm2_tokenizer):
+    # genai-perf's vLLM format: {"max_tokens": "128", "min_tokens": "128"} and no max_tokens tensor.
+    request = values(build(smollm2_tokenizer, max_tokens=None,
+                           sampling={"max_tokens": "7", "min_tokens": "7", "temperature": "0.5", "n": "1"}))
+    assert (request["max_tokens"], request["min_tokens"], request["temperature"]) == (7, 7, 0.5)
+
+
+def test_postprocessing_sends_the_other_backends_outputs(smollm2_tokenizer):
+    from inflightllm.text.postprocess import OUTPUT_NAMES, build_text_response
+
+    outputs = build_text_response(
+        {"output_ids": np.array([[19556]], np.int32), "finish_reason": np.array([[2]], np.int32),
+         "cum_log_probs": np.array([[-1.5]], np.float32)},
+        smollm2_tokenizer,
+    )
+    assert tuple(outputs) == OUTPUT_NAMES
+    assert outputs["cumulative_logprob"].tolist() == [[-1.5]]
+    assert outputs["batch_index"].tolist() == [[0]] and outputs["batch_index"].dtype == np.int32

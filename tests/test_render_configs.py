@@ -273,7 +273,7 @@ def test_tensors_follow_the_interface_document(configs):
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
     assert [row[0] for row in ensemble_inputs if not row[3]] == []  # preprocessing names what is missing
-    assert len(ensemble_inputs) == 25 and len(ensemble_outputs) == 10
+    assert len(ensemble_inputs) == 33 and len(ensemble_outputs) == 12
     assert len(to_engine) == 21 and len(to_postprocessing) == 11
 
     assert tensors(configs["ensemble"].input) == ensemble_inputs
@@ -351,3 +351,19 @@ def test_preprocessing_code_emits_exactly_the_rendered_engine_inputs():
     numpy_to_triton = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
     emitted = {name: numpy_to_triton[np.dtype(dtype).name] for name, dtype in ENGINE_REQUEST_DTYPES.items()}
     assert emitted == {t.name: t.data_type for t in render_configs.PREPROCESSING_TO_ENGINE}
+
+
+def test_check_of_another_profile_never_advises_overwriting_model_repo(capsys):
+    status = render_configs.main(["--profile", str(REPO_ROOT / "profiles" / "llama3-8b-h200.yaml"), "--check"])
+    assert status == 1
+    advice = capsys.readouterr().out.splitlines()[-1]
+    assert "model_repo/ is the render of the default profile (profiles/smollm2-cpu.yaml)" in advice
+    assert "--out build/model_repo-llama3-8b-h200" in advice
+    assert not advice.rstrip().endswith("model_repo")  # no command that writes into model_repo/
+
+
+def test_a_missing_profile_lists_the_profiles_that_exist(tmp_path, capsys):
+    assert render_configs.main(["--profile", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "out")]) == 2
+    message = capsys.readouterr().err
+    assert "nope.yaml: cannot read the profile: No such file or directory; profiles that exist: " in message
+    assert "profiles/smollm2-cpu.yaml" in message and "profiles/llama3-8b-h200.yaml" in message

@@ -21,7 +21,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from inflightllm.client import ClientError, chat_messages, stream_generate  # noqa: E402
 from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # noqa: E402
-from tools.serve import repository_for  # noqa: E402
+from tools.serve import check_servable, repository_for  # noqa: E402
 from tools.server_launcher import DEFAULT_SERVER_DIR, ServerStartError, TritonServer  # noqa: E402
 
 DEFAULT_QUESTION = "What is the capital of France?"
@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        repository = repository_for(load_profile(args.profile))
+        profile = load_profile(args.profile)
+        check_servable(profile)
+        repository = repository_for(profile)
     except ProfileError as error:
         print(error, file=sys.stderr)
         return 1
     server = TritonServer(repository, server_dir=args.server_dir)
     print(f"starting tritonserver on {repository} (gRPC {server.grpc_url}, HTTP {server.http_url}); "
-          f"log: {server.log_path}", flush=True)
+          f"log: {server.log_path} (removed at the end unless the server fails)", flush=True)
     started = time.monotonic()
     try:
         server.start(timeout=args.start_timeout)

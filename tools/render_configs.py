@@ -95,6 +95,16 @@ ENSEMBLE_INPUTS = (
     _t("return_finish_reason", "TYPE_BOOL", optional=True),
     _t("return_num_input_tokens", "TYPE_BOOL", optional=True),
     _t("return_num_output_tokens", "TYPE_BOOL", optional=True),
+    # TensorRT-LLM's names (docs/INTERFACE.md, "Other backends' names").
+    _t("random_seed", "TYPE_UINT64", optional=True),
+    _t("min_length", "TYPE_INT32", optional=True),
+    _t("beam_width", "TYPE_INT32", optional=True),
+    _t("length_penalty", "TYPE_FP32", optional=True),
+    _t("return_context_logits", "TYPE_BOOL", optional=True),
+    _t("return_generation_logits", "TYPE_BOOL", optional=True),
+    # vLLM's.
+    _t("return_cumulative_logprob", "TYPE_BOOL", optional=True),
+    _t("return_logprobs", "TYPE_BOOL", optional=True),
 )
 
 # docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them.
@@ -109,6 +119,8 @@ ENSEMBLE_OUTPUTS = (
     _t("output_log_probs", "TYPE_FP32", (-1,)),
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+    _t("cumulative_logprob", "TYPE_FP32"),  # vLLM's name of cum_log_probs
+    _t("batch_index", "TYPE_INT32"),  # TensorRT-LLM's; always 0 (one prompt per request)
 )
 
 # docs/INTERFACE.md "preprocessing -> engine": preprocessing always emits all of them.
@@ -326,6 +338,28 @@ def check(profile: Profile, out_dir) -> list[str]:
     return drift
 
 
+def fix_advice(profile: Profile, profile_arg, out_dir) -> str:
+    """What to run after `--check` found drift. The committed `model_repo/` belongs to the
+    default profile: for another profile, advise a folder of its own, never a command
+    that would overwrite the committed repository."""
+    committed = (REPO_ROOT / "model_repo").resolve()
+    is_default = Path(profile.source_path).resolve() == DEFAULT_PROFILE.resolve()
+    if Path(out_dir).resolve() == committed and not is_default:
+        own = f"build/model_repo-{profile.name}"
+        return (f"model_repo/ is the render of the default profile ({profile_display_path_of(DEFAULT_PROFILE)}), "
+                f"so it differs from {profile_arg} by design; render this profile into a folder of its own: "
+                f"python tools/render_configs.py --profile {profile_arg} --out {own} "
+                f"(make render-configs PROFILE={profile_arg} OUT={own})")
+    return f"run: python tools/render_configs.py --profile {profile_arg} --out {out_dir}"
+
+
+def profile_display_path_of(path: Path) -> str:
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Render a profile into a Triton model repository.")
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="profile YAML (default: %(default)s)")
@@ -342,10 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         if drift:
             for item in drift:
                 print(item)
-            print(
-                f"{args.out}: {len(drift)} file(s) differ from a fresh render of {args.profile}; "
-                f"run: python tools/render_configs.py --profile {args.profile} --out {args.out}"
-            )
+            print(f"{args.out}: {len(drift)} file(s) differ from a fresh render of {args.profile}; "
+                  + fix_advice(profile, args.profile, args.out))
             return 1
         print(f"{args.out}: up to date with {args.profile}")
         return 0

@@ -10,7 +10,13 @@ in (EXECUTION_ENV_PATH); the repository is then always rendered into
 `build/model_repo-<profile name>-tokenizer-env/`. `--server-dir` names the server folder
 (default `build/tritonserver`).
 
-Usage: python tools/serve.py [--profile profiles/smollm2-cpu.yaml] [--http-port 8000 ...]
+Before anything starts, the profile is checked against this machine (a GPU profile on a
+machine without CUDA is refused at once, not after Triton's start-up).
+
+The server listens on 127.0.0.1 only. `--host 0.0.0.0` (`make serve HOST=0.0.0.0`)
+listens on every interface, with a warning: Triton has no authentication here.
+
+Usage: python tools/serve.py [--profile profiles/smollm2-cpu.yaml] [--http-port 8000 ...] [--host ADDRESS]
        python tools/serve.py --profile P --server-dir DIR --tokenizer-env DIR
 """
 
@@ -26,6 +32,29 @@ sys.path.insert(0, str(REPO_ROOT))
 from inflightllm.model_source import prepare  # noqa: E402
 from inflightllm.profile import DEFAULT_PROFILE, ProfileError, load_profile  # noqa: E402
 from tools import render_configs, server_launcher  # noqa: E402
+
+
+def check_servable(profile) -> None:
+    """Refuse a profile this machine cannot serve, before Triton starts (ProfileError)."""
+    engine = profile.engine
+    if engine.device == "cpu":
+        return
+    import torch
+
+    file = str(profile.source_path)
+    if not torch.cuda.is_available():
+        raise ProfileError(
+            file, "device.kind",
+            f"{engine.device!r} needs CUDA, and this machine has none (torch.cuda.is_available() is False); "
+            "serve a cpu profile here (e.g. profiles/smollm2-cpu.yaml)",
+        )
+    count = torch.cuda.device_count()
+    missing = [gpu for gpu in engine.gpu_ids if gpu >= count]
+    if missing:
+        raise ProfileError(
+            file, "device.gpu_ids",
+            f"{list(engine.gpu_ids)} names GPU(s) {missing}, and this machine has {count} (ids 0 to {count - 1})",
+        )
 
 
 def repository_for(profile, build_dir: Path = REPO_ROOT / "build", tokenizer_env: str | None = None) -> Path:
@@ -57,16 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--server-dir", type=Path, default=server_launcher.DEFAULT_SERVER_DIR)
     parser.add_argument(
         "--tokenizer-env", help="NumPy < 2 venv for preprocessing/postprocessing (EXECUTION_ENV_PATH)"
     )
     args = parser.parse_args(argv)
+    from tools.serve_openai import loopback_warning
+
+    warning = loopback_warning(args.host, "tritonserver (HTTP, gRPC and metrics)")
+    if warning:
+        print(warning, file=sys.stderr)
     if args.tokenizer_env and not (Path(args.tokenizer_env) / "bin" / "activate").is_file():
         print(f"--tokenizer-env: {args.tokenizer_env} is not a venv (no bin/activate)", file=sys.stderr)
         return 2
     try:
         profile = load_profile(args.profile)
+        check_servable(profile)
         tokenizer_env = str(Path(args.tokenizer_env).absolute()) if args.tokenizer_env else None
         repository = repository_for(profile, tokenizer_env=tokenizer_env)
     except ProfileError as error:
@@ -81,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics-port", str(args.metrics_port),
         "--log-verbose", str(args.log_verbose),
         "--server-dir", str(args.server_dir),
+        "--host", args.host,
     ])
 
 

@@ -97,6 +97,10 @@ class TritonServer:
     metrics_port: int = 0
     log_path: Path | None = None
     log_verbose: int = 0
+    host: str = "127.0.0.1"  # the address HTTP, gRPC and metrics listen on
+    # A log file made here (log_path not given) is removed by stop(), unless this is set or
+    # the server failed to start (then the failure report names it).
+    keep_log: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict | None = None
     process: subprocess.Popen | None = None
@@ -106,22 +110,28 @@ class TritonServer:
         self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
+        self._temporary_log = self.log_path is None
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
 
     @property
+    def client_host(self) -> str:
+        """Where a client on this machine reaches the server."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.client_host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.client_host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
         return [
@@ -129,11 +139,11 @@ class TritonServer:
             f"--model-repository={self.model_repository}",
             f"--backend-directory={self.server_dir / 'backends'}",
             f"--cache-directory={self.server_dir / 'caches'}",
-            "--http-address=127.0.0.1",
+            f"--http-address={self.host}",
             f"--http-port={self.http_port}",
-            "--grpc-address=127.0.0.1",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
-            "--metrics-address=127.0.0.1",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
@@ -168,10 +178,12 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.keep_log = True
                 raise ServerStartError(self._failure_report(f"tritonserver exited with status {self.process.returncode}"))
             if self.is_ready():
                 return self
             time.sleep(0.5)
+        self.keep_log = True
         self.stop()
         raise ServerStartError(self._failure_report(f"tritonserver was not ready after {timeout:.0f} s"))
 
@@ -202,8 +214,10 @@ class TritonServer:
         return "\n".join(lines)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout` seconds. Returns the exit status."""
+        """SIGTERM, then SIGKILL after `timeout` seconds. Returns the exit status.
+        A temporary log is removed (see `keep_log`)."""
         if self.process is None or self.process.poll() is not None:
+            self._remove_temporary_log()
             return None if self.process is None else self.process.returncode
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -215,7 +229,12 @@ class TritonServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             status = self.process.wait(timeout=10)
         self._log_thread.join(timeout=5)
+        self._remove_temporary_log()
         return status
+
+    def _remove_temporary_log(self) -> None:
+        if self._temporary_log and not self.keep_log and self.log_path is not None:
+            Path(self.log_path).unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -232,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     server = TritonServer(
@@ -241,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,
+        host=args.host,
         extra_args=args.extra,
     )
     print(f"starting tritonserver on {args.model_repository} (HTTP {server.http_url}, gRPC {server.grpc_url}, "

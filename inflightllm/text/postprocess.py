@@ -28,7 +28,9 @@ PASS_THROUGH_DEFAULTS: dict[str, tuple[type, tuple[int, ...]]] = {
     "top_logprobs": (np.float32, (1, 0, 0)),
 }
 
-OUTPUT_NAMES = ("text_output", "finish_reason", *PASS_THROUGH_DEFAULTS)
+# Other backends' output names: vLLM's `cumulative_logprob` (= cum_log_probs) and
+# TensorRT-LLM's `batch_index` (the prompt's index in the request: always 0, one prompt each).
+OUTPUT_NAMES = ("text_output", "finish_reason", *PASS_THROUGH_DEFAULTS, "cumulative_logprob", "batch_index")
 
 
 def finish_reason_text(code: int) -> str:
@@ -63,4 +65,6 @@ def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> d
     for name, (dtype, empty_shape) in PASS_THROUGH_DEFAULTS.items():
         array = inputs.get(name)
         response[name] = np.zeros(empty_shape, dtype) if array is None else array
+    response["cumulative_logprob"] = response["cum_log_probs"]
+    response["batch_index"] = np.zeros((1, 1), np.int32)
     return response

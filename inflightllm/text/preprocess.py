@@ -40,11 +40,24 @@ SAMPLING_PARAMETER_KEYS = (
     "bad_words",
     "ignore_eos",
     "logprobs",
+    "n",
 )
 
 # Inputs accepted for compatibility and otherwise ignored (their outputs are always sent,
 # and outputs are never padded).
 IGNORED_INPUTS = ("pad_id", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+# Other backends' names for our inputs: TensorRT-LLM's `random_seed` and `min_length`.
+# Giving both names of one setting is an error.
+INPUT_ALIASES = {"random_seed": "seed", "min_length": "min_tokens"}
+
+# vLLM's sampling_parameters come as JSON whose numbers may be strings (genai-perf sends
+# {"max_tokens": "128"}); the vLLM backend converts these keys, and so do we.
+_NUMERIC_STRING_KEYS = {
+    "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
+    "presence_penalty": float, "frequency_penalty": float,
+    "top_k": int, "max_tokens": int, "min_tokens": int, "seed": int, "logprobs": int, "n": int,
+}
 
 # The "preprocessing -> engine" tensors: name -> NumPy dtype. Each is [1, ...].
 ENGINE_REQUEST_DTYPES: dict[str, type] = {
@@ -204,6 +217,7 @@ _JSON_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "bad_words": (_is_string_or_strings, "a string or a list of strings"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "logprobs": (_is_integer, "an integer"),
+    "n": (_is_integer, "an integer"),
 }
 assert set(_JSON_TYPES) == set(SAMPLING_PARAMETER_KEYS)
 
@@ -224,13 +238,15 @@ def parse_sampling_parameters(array: np.ndarray | None) -> dict:
         raise RequestError(
             f"sampling_parameters: {_show(params)} is {_json_type_name(params)}; expected a JSON object"
         )
-    for key, value in params.items():
+    for key, value in list(params.items()):
         if key not in _JSON_TYPES:
             raise RequestError(
                 f"sampling_parameters: unknown key '{key}'; allowed keys: {', '.join(SAMPLING_PARAMETER_KEYS)}"
             )
         if value is None:
             continue
+        if isinstance(value, str) and key in _NUMERIC_STRING_KEYS:
+            value = params[key] = _number_from_string(key, value, _NUMERIC_STRING_KEYS[key])
         check, expected = _JSON_TYPES[key]
         if not check(value):
             described = _json_type_name(value)
@@ -246,6 +262,20 @@ def parse_sampling_parameters(array: np.ndarray | None) -> dict:
     return {key: value for key, value in params.items() if value is not None}
 
 
+def _number_from_string(key: str, text: str, kind: type):
+    """A vLLM-style number given as a JSON string ("128", "0.7")."""
+    try:
+        number = kind(text.strip())
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise RequestError(
+            f"{_json_label(key)}: {_show(text)} is a string that is not {expected}; expected {expected}"
+        ) from None
+    if kind is float and not math.isfinite(number):
+        raise RequestError(f"{_json_label(key)}: {_show(text)} is not a finite number; expected a number")
+    return number
+
+
 class _Resolver:
     """Looks a setting up: the input tensor wins, then the JSON key, then the default."""
 
@@ -257,17 +287,31 @@ class _Resolver:
         array = self.inputs.get(name)
         return None if array is None else _scalar(name, array)
 
+    def tensor_or_alias(self, name: str):
+        """(value, label) of the tensor `name` or of its other backend's name
+        (INPUT_ALIASES), or (None, None)."""
+        aliases = [alias for alias, target in INPUT_ALIASES.items() if target == name]
+        given = [n for n in (name, *aliases) if self.inputs.get(n) is not None]
+        if len(given) > 1:
+            raise RequestError(
+                f"inputs {' and '.join(repr(n) for n in given)}: both were given; they are the same setting, "
+                "allowed: one of them"
+            )
+        if not given:
+            return None, None
+        return self.tensor(given[0]), _tensor_label(given[0])
+
     def get(self, name: str, json_key: str | None = None):
         """(value, label) or (None, None) when given neither way."""
-        value = self.tensor(name)
+        value, label = self.tensor_or_alias(name)
         if value is not None:
-            return value, _tensor_label(name)
+            return value, label
         if json_key is not None and json_key in self.params:
             return self.params[json_key], _json_label(json_key)
         return None, None
 
     def given(self, name: str, json_key: str | None = None) -> bool:
-        return self.inputs.get(name) is not None or (json_key is not None and json_key in self.params)
+        return self.tensor_or_alias(name)[0] is not None or (json_key is not None and json_key in self.params)
 
 
 def _check_float(value, label: str, low: float, high: float, allowed: str, low_open: bool = False) -> float:
@@ -279,6 +323,9 @@ def _check_float(value, label: str, low: float, high: float, allowed: str, low_o
 
 
 # ----------------------------------------------------------------------------- prompt
+
+# The roles a chat message may have (OpenAI's, as chat templates know them).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[list[int], str]:
@@ -314,6 +361,10 @@ def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[lis
             and isinstance(message.get("content"), str)
         ):
             raise RequestError(f"{label}: item {index} ({_show(message)}) is not an object with string 'role' and 'content'; expected {expected}")
+        if message["role"] not in CHAT_ROLES:
+            raise RequestError(
+                f"{label}: item {index} has role {_show(message['role'])}; allowed roles: {', '.join(CHAT_ROLES)}"
+            )
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(f"{label}: this model's tokenizer has no chat template; send the prompt as 'text_input'")
     try:
@@ -363,6 +414,34 @@ def word_token_sequences(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
 def pack_token_sequences(sequences: list[tuple[int, ...]]) -> np.ndarray:
     """The packed form (inflightllm.token_sequences) as INT32, shape [1, L]; `[[0]]` for none."""
     return np.array([packing.pack_token_sequences(sequences)], dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------- other backends' features
+
+
+def _check_unsupported_features(resolve: _Resolver, params: dict) -> None:
+    """Other backends' inputs whose neutral value is accepted and whose other values ask
+    for something this engine does not do: refused, never silently ignored."""
+    value, label = resolve.get("beam_width")
+    if value is not None and int(value) != 1:
+        if int(value) > 1:
+            raise RequestError(f"{label}: {_show(value)} asks for beam search, which is not supported; allowed: 1")
+        raise _out_of_range(label, value, "1 (beam search is not supported)")
+    value, label = resolve.get("length_penalty")
+    if value is not None and float(value) != 1.0:
+        raise RequestError(
+            f"{label}: {_show(value)} is not supported: the length penalty scores beams in beam search, "
+            "which this engine does not do; allowed: 1.0 (no penalty)"
+        )
+    for name in ("return_context_logits", "return_generation_logits"):
+        value, label = resolve.get(name)
+        if value is not None and bool(value):
+            raise RequestError(
+                f"{label}: true is not supported: this server returns no logits; allowed: false "
+                "(for log probabilities use return_log_probs and num_top_logprobs)"
+            )
+    if "n" in params and params["n"] != 1:
+        raise RequestError(f"{_json_label('n')}: {_show(params['n'])} is not supported; allowed: 1 (one output per request)")
 
 
 # ----------------------------------------------------------------------------- request
@@ -486,6 +565,13 @@ def build_engine_request(
         return_log_probs = bool(return_log_probs_tensor)
     else:  # asking for alternatives (or JSON logprobs) means asking for log probs
         return_log_probs = "logprobs" in params or num_top_logprobs > 0
+    # vLLM's flags: cumulative_logprob / cum_log_probs and output_log_probs need log probs.
+    for name in ("return_cumulative_logprob", "return_logprobs"):
+        flag = resolve.tensor(name)
+        if flag is not None and bool(flag):
+            return_log_probs = True
+
+    _check_unsupported_features(resolve, params)
 
     value, label = resolve.get("priority")
     priority = 0
