@@ -488,6 +488,8 @@ def run_metadata(command: str) -> dict:
         "machine": f"{cpu or platform.processor()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "gpu": gpu or None,
         "python": platform.python_version(),
+        # Other work on the machine changes every figure: keep the load average beside them.
+        "load_average_1m_at_start": round(os.getloadavg()[0], 2),
         "command": command,
     }
 
