@@ -53,7 +53,7 @@ EXPERIMENTS = ("inflight-vs-static", "prefix-cache", "dynamic-batching", "triton
 DEFAULTS = {
     "inflight-vs-static": {
         "cpu": dict(workload=WorkloadSpec("mixed", num_requests=40, input_len=32, short_len=32, long_len=256,
-                                          long_every=10), concurrency="8", max_seconds=240,
+                                          long_every=10), concurrency="8", max_seconds=420,
                     slo=SLO(ttft_ms=2000, e2e_ms=10000)),
         "gpu": dict(workload=WorkloadSpec("mixed", num_requests=600, input_len=128, short_len=50, long_len=2000,
                                           long_every=10), concurrency="64", max_seconds=600,
