@@ -82,6 +82,10 @@ DEFAULTS = {
 }
 
 
+# The run's metadata, taken when it starts (the commit that ran, not one made meanwhile).
+_META: dict[str, dict] = {}
+
+
 def _ratio(a, b) -> str:
     return "—" if not a or not b else f"{a / b:.2f}x"
 
@@ -92,7 +96,7 @@ def _series_label_stat(series: dict, label: str, metric: str, pct: str):
 
 
 def _result(title: str, spec: WorkloadSpec, slo: SLO, series: list[dict], command: str) -> dict:
-    return {"title": title, "meta": loadgen.run_metadata(command), "workload": dataclasses.asdict(spec),
+    return {"title": title, "meta": _META.get(command) or loadgen.run_metadata(command), "workload": dataclasses.asdict(spec),
             "workload_text": spec.describe(), "slo": slo.describe(), "series": series}
 
 
@@ -328,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     args.command = loadgen.command_line("perf.experiments", argv)
+    _META[args.command] = loadgen.run_metadata(args.command)
 
     profile = load_profile(args.profile)
     cfg = dict(DEFAULTS[args.experiment][profile.engine.device])

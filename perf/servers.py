@@ -57,7 +57,8 @@ def variant_profile(profile_path: Path, overrides: dict[str, object], suffix: st
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    data["name"] = f"{data['name']}-{suffix}"
+    slug = re.sub(r"[^a-z0-9]+", "-", suffix.lower()).strip("-")  # profile names: lowercase, digits, '-'
+    data["name"] = f"{data['name']}-{slug}"
     data["description"] = f"{data.get('description', '')} [bench variant: " + ", ".join(
         f"{key}={value}" for key, value in overrides.items()) + "]"
     out = BENCH_BUILD_DIR / "profiles" / f"{data['name']}.yaml"
