@@ -82,10 +82,6 @@ DEFAULTS = {
 }
 
 
-# The run's metadata, taken when it starts (the commit that ran, not one made meanwhile).
-_META: dict[str, dict] = {}
-
-
 def _ratio(a, b) -> str:
     return "—" if not a or not b else f"{a / b:.2f}x"
 
@@ -95,8 +91,8 @@ def _series_label_stat(series: dict, label: str, metric: str, pct: str):
     return point["by_label"].get(label, {}).get(metric, {}).get(pct)
 
 
-def _result(title: str, spec: WorkloadSpec, slo: SLO, series: list[dict], command: str) -> dict:
-    return {"title": title, "meta": _META.get(command) or loadgen.run_metadata(command), "workload": dataclasses.asdict(spec),
+def _result(title: str, spec: WorkloadSpec, slo: SLO, series: list[dict], args) -> dict:
+    return {"title": title, "meta": args.meta, "workload": dataclasses.asdict(spec),
             "workload_text": spec.describe(), "slo": slo.describe(), "series": series}
 
 
@@ -142,7 +138,7 @@ def inflight_vs_static(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     panels = [("requests/s", {s["name"]: [s["points"][0]["summary"]["requests_per_s"]] for s in series}),
               ("e2e p99, all (ms)", {s["name"]: [s["points"][0]["summary"]["e2e_ms"]["p99"]] for s in series}),
               ("e2e p99, short (ms)", {s["name"]: [_series_label_stat(s, "short", "e2e_ms", "p99")] for s in series})]
-    result = _result("In-flight vs static batching (mixed workload)", spec, slo, series, args.command)
+    result = _result("In-flight vs static batching (mixed workload)", spec, slo, series, args)
     return result, "\n".join(lines) + "\n", [([str(load) for load in loads], panels)]
 
 
@@ -172,7 +168,7 @@ def prefix_cache(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     panels = [("TTFT p50 (ms)", {s["name"]: [s["points"][0]["summary"]["ttft_ms"]["p50"]] for s in series}),
               ("output tokens/s", {s["name"]: [s["points"][0]["summary"]["output_tokens_per_s"]] for s in series}),
               ("requests/s", {s["name"]: [s["points"][0]["summary"]["requests_per_s"]] for s in series})]
-    result = _result("Prefix caching on vs off (shared-prefix workload)", spec, slo, series, args.command)
+    result = _result("Prefix caching on vs off (shared-prefix workload)", spec, slo, series, args)
     return result, "\n".join(lines) + "\n", [([str(load) for load in loads], panels)]
 
 
@@ -266,7 +262,7 @@ def dynamic_batching(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
               ("ensemble req/s (max_tokens 1)",
                {s["name"].removeprefix("ensemble, "): [p["summary"]["requests_per_s"] for p in s["points"]]
                 for s in series})]
-    result = _result("Dynamic batching of preprocessing on vs off", ensemble_spec, slo, series, args.command)
+    result = _result("Dynamic batching of preprocessing on vs off", ensemble_spec, slo, series, args)
     result["preprocessing_direct"] = unary
     return result, "\n".join(lines) + "\n", [(groups, panels)]
 
@@ -305,7 +301,7 @@ def triton_vs_engine(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
              f"{_ratio(triton['output_tokens_per_s'], engine_row['output_tokens_per_s'])}.", ""]
     panels = [("output tokens/s", {"tritonserver": [triton["output_tokens_per_s"]],
                                    "engine in-process": [engine_row["output_tokens_per_s"]]})]
-    result = _result("Triton vs engine-only (fixed lengths, all requests at once)", spec, slo, series, args.command)
+    result = _result("Triton vs engine-only (fixed lengths, all requests at once)", spec, slo, series, args)
     result["engine_only"] = engine_row
     return result, "\n".join(lines) + "\n", [([spec.name], panels)]
 
@@ -332,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     args.command = loadgen.command_line("perf.experiments", argv)
-    _META[args.command] = loadgen.run_metadata(args.command)
+    args.meta = loadgen.run_metadata(args.command)  # at the start: the commit that ran
 
     profile = load_profile(args.profile)
     cfg = dict(DEFAULTS[args.experiment][profile.engine.device])
