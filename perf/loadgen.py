@@ -631,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     from inflightllm.profile import load_profile
     from perf import servers
 
+    meta = run_metadata(command_line("perf.loadgen", argv))  # at the start: the commit that ran
     loads = parse_loads(args.concurrency, args.rate)
     spec = workload_from_args(args)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         with servers.serve_profile(args.profile, overrides, suffix="loadgen") as served:
             series = run_series(name, served.server.grpc_url, served.server.metrics_url,
                                 server=served.describe(), **common)
-    result = {"title": f"Load generator: {spec.name} workload", "meta": run_metadata(command_line("perf.loadgen", argv)),
+    result = {"title": f"Load generator: {spec.name} workload", "meta": meta,
               "workload": dataclasses.asdict(spec), "workload_text": spec.describe(), "slo": slo.describe(),
               "series": [series]}
     out = args.out or RESULTS_DIR / f"loadgen-{spec.name}-{profile.name}"

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if not WRAPPER.exists():
         print(f"{WRAPPER} is missing: run `make install`", file=sys.stderr)
         return 2
+    meta = loadgen.run_metadata(loadgen.command_line("perf.perf_analyzer_sweep", argv))  # the commit that ran
     profile = load_profile(args.profile)
     concurrency_range = args.concurrency_range or DEFAULT_RANGE[profile.engine.device]
     out = args.out or loadgen.RESULTS_DIR / f"perf-analyzer-{profile.name}"
@@ -143,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"concurrency": c, "requests_per_s": float(row["Inferences/Second"]),
                      "responses_per_s": float(row.get("Response Throughput") or "nan"),
                      **{k: v for k, v in figures.get(c, {}).items() if k != "concurrency"}})
-    meta = loadgen.run_metadata(loadgen.command_line("perf.perf_analyzer_sweep", argv))
     (out.with_suffix(".json")).write_text(json.dumps({"meta": meta, "server": server, "rows": rows}, indent=1) + "\n")
     lines = [f"# perf_analyzer sweep ({profile.name})", "",
              f"{meta['date_utc']} UTC, commit `{meta['commit']}`, {meta['machine']}", "",
