@@ -108,6 +108,12 @@ def plot_all(result: dict, out: Path) -> list[Path]:
     ]
 
 
+def _number(value) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def bar_chart(groups: list[str], panels: list[tuple[str, dict[str, list[float]]]], path: Path) -> Path:
     """`panels`: (title, {variant: [value per group]}); one subplot per panel, bars side by side."""
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4))
@@ -117,7 +123,7 @@ def bar_chart(groups: list[str], panels: list[tuple[str, dict[str, list[float]]]
         for i, (variant, values) in enumerate(variants.items()):
             xs = [g + i * width for g in range(len(groups))]
             bars = ax.bar(xs, [v or 0 for v in values], width, label=variant)
-            ax.bar_label(bars, labels=[f"{v:.3g}" if v is not None else "—" for v in values], fontsize=7)
+            ax.bar_label(bars, labels=[_number(v) for v in values], fontsize=7)
         ax.set_xticks([g + width * (len(variants) - 1) / 2 for g in range(len(groups))], groups, fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
