@@ -33,22 +33,32 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _lines_by_mode(result: dict):
+    """(series name, mode, points) for each series and load mode that has points: closed- and
+    open-loop points are separate lines."""
+    for series in result["series"]:
+        for mode in ("concurrency", "rate"):
+            points = [p for p in series["points"] if p["load"]["mode"] == mode]
+            if points:
+                yield series["name"], mode, points
+
+
 def plot_latency(result: dict, path: Path) -> Path:
     panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "e2e latency (ms)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.6))
     for ax, (key, title) in zip(axes, panels):
-        for series in result["series"]:
-            points = [p for p in series["points"] if p["summary"][key]["p50"] is not None]
+        for name, mode, all_points in _lines_by_mode(result):
+            points = [p for p in all_points if p["summary"][key]["p50"] is not None]
             x = [p["summary"]["output_tokens_per_s"] for p in points]
             for pct, style in (("p50", "-o"), ("p99", "--x")):
-                line, = ax.plot(x, [p["summary"][key][pct] for p in points], style, label=f"{series['name']} {pct}")
+                ax.plot(x, [p["summary"][key][pct] for p in points], style, label=f"{name}, {mode} {pct}")
             for p, xv in zip(points, x):
                 ax.annotate(_load_text(p["load"]), (xv, p["summary"][key]["p50"]), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("output tokens/s")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=6)
     return _save(fig, path)
 
 
@@ -129,3 +139,20 @@ def bar_chart(groups: list[str], panels: list[tuple[str, dict[str, list[float]]]
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=7)
     return _save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw a saved result's plots: python -m perf.plots perf/results/NAME.json"""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Redraw the load generator's plots from a saved JSON result.")
+    parser.add_argument("result", type=Path)
+    args = parser.parse_args(argv)
+    for path in plot_all(json.loads(args.result.read_text()), args.result.with_suffix("")):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
