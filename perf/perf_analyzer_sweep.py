@@ -98,6 +98,41 @@ def plot(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _display(path: Path) -> str:
+    path = Path(path).resolve()
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.as_posix()
+
+
+def report(out: Path) -> list[Path]:
+    """From the kept CSV and export (and the run's `out`.json): per-concurrency rows into
+    `out`.json, a table `out`.md and a plot `out`.png."""
+    csv_path, export_path, json_path = out.with_suffix(".csv"), out.with_name(out.name + "-export.json"), out.with_suffix(".json")
+    record = json.loads(json_path.read_text())
+    figures = {row["concurrency"]: row for row in export_figures(json.loads(export_path.read_text()))}
+    rows = []
+    for row in sorted(read_csv(csv_path), key=lambda row: int(row["Concurrency"])):
+        c = int(row["Concurrency"])
+        rows.append({"concurrency": c, "requests_per_s": float(row["Inferences/Second"]),
+                     "responses_per_s": float(row.get("Response Throughput") or "nan"),
+                     **{k: v for k, v in figures.get(c, {}).items() if k != "concurrency"}})
+    record["rows"] = rows
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    meta = record["meta"]
+    lines = [f"# perf_analyzer sweep ({record['profile_name']})", "",
+             f"{meta['date_utc']} UTC, commit `{meta['commit']}`, {meta['machine']}, load average "
+             f"{meta.get('load_average_1m_at_start')} at the start", "",
+             f"Command: `{meta['command']}`; input data `{record['input_data']}`.", "",
+             "| concurrency | requests/s | responses/s | TTFT p50 / p99 ms | inter-response p50 / p99 ms | "
+             "last response p50 / p99 ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.2f} | {r['responses_per_s']:.1f} | "
+                     f"{r.get('ttft_p50_ms')} / {r.get('ttft_p99_ms')} | {r.get('inter_response_p50_ms')} / "
+                     f"{r.get('inter_response_p99_ms')} | {r.get('last_response_p50_ms')} / {r.get('last_response_p99_ms')} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return [csv_path, export_path, json_path, out.with_suffix(".md"), plot(rows, out.with_suffix(".png"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     from inflightllm.profile import DEFAULT_PROFILE, load_profile
     from perf import servers
@@ -111,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-count", type=int, default=8, help="finished requests per measurement window")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report-only", action="store_true",
+                        help="redo the table and plot from the kept CSV and export of --out")
     args = parser.parse_args(argv)
+    if args.report_only:
+        report(args.out or loadgen.RESULTS_DIR / f"perf-analyzer-{load_profile(args.profile).name}")
+        return 0
     if not WRAPPER.exists():
         print(f"{WRAPPER} is missing: run `make install`", file=sys.stderr)
         return 2
@@ -137,27 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if result.returncode != 0:
         print(result.stderr[-4000:], file=sys.stderr)
         return result.returncode
-    figures = {row["concurrency"]: row for row in export_figures(json.loads(export_path.read_text()))}
-    rows = []
-    for row in read_csv(csv_path):
-        c = int(row["Concurrency"])
-        rows.append({"concurrency": c, "requests_per_s": float(row["Inferences/Second"]),
-                     "responses_per_s": float(row.get("Response Throughput") or "nan"),
-                     **{k: v for k, v in figures.get(c, {}).items() if k != "concurrency"}})
-    (out.with_suffix(".json")).write_text(json.dumps({"meta": meta, "server": server, "rows": rows}, indent=1) + "\n")
-    lines = [f"# perf_analyzer sweep ({profile.name})", "",
-             f"{meta['date_utc']} UTC, commit `{meta['commit']}`, {meta['machine']}", "",
-             f"Command: `{meta['command']}`; input data `{args.input_data.relative_to(REPO_ROOT) if args.input_data.is_relative_to(REPO_ROOT) else args.input_data}`.", "",
-             "| concurrency | requests/s | responses/s | TTFT p50 / p99 ms | inter-response p50 / p99 ms | "
-             "last response p50 / p99 ms |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.2f} | {r['responses_per_s']:.1f} | "
-                     f"{r.get('ttft_p50_ms')} / {r.get('ttft_p99_ms')} | {r.get('inter_response_p50_ms')} / "
-                     f"{r.get('inter_response_p99_ms')} | {r.get('last_response_p50_ms')} / {r.get('last_response_p99_ms')} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    png = plot(rows, out.with_suffix(".png"))
-    print("\n".join(lines))
-    for path in (csv_path, export_path, out.with_suffix(".json"), out.with_suffix(".md"), png):
+    (out.with_suffix(".json")).write_text(json.dumps(
+        {"meta": meta, "server": server, "profile_name": profile.name, "input_data": _display(args.input_data)},
+        indent=1) + "\n")
+    for path in report(out):
         print(f"wrote {path}")
     return 0
 
