@@ -282,6 +282,10 @@ def triton_vs_engine(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     requests = build_requests(spec, tokenizer)
     prompts = [tokenizer.encode(r.inputs["text_input"], add_special_tokens=False) for r in requests]
     params = [SamplingParams(max_tokens=r.inputs["max_tokens"], min_tokens=r.inputs["min_tokens"]) for r in requests]
+    import torch
+
+    if args.engine_threads:
+        torch.set_num_threads(args.engine_threads)
     llm = LLM(profile.model, config=profile.engine, load_tokenizer_too=False)
     llm.generate(prompts[:1], [dataclasses.replace(params[0], max_tokens=2, min_tokens=2)])  # warm-up
     started = time.perf_counter()
@@ -290,12 +294,12 @@ def triton_vs_engine(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     engine_tokens = sum(len(o.token_ids) for o in outputs)
     engine_row = {"seconds": round(seconds, 3), "output_tokens": engine_tokens,
                   "output_tokens_per_s": round(engine_tokens / seconds, 2),
-                  "requests_per_s": round(len(outputs) / seconds, 4)}
+                  "requests_per_s": round(len(outputs) / seconds, 4), "torch_threads": torch.get_num_threads()}
     triton = series[0]["points"][0]["summary"]
     lines = ["| system | requests | seconds | output tokens | output tok/s | req/s |", "|---|---:|---:|---:|---:|---:|",
              f"| tritonserver ensemble (gRPC streaming, {loads[0]}) | {triton['completed']} | {triton['duration_s']:.1f} | "
              f"{triton['output_tokens']:,} | {triton['output_tokens_per_s']:.1f} | {triton['requests_per_s']:.3f} |",
-             f"| engine in-process (`LLM.generate`, all at once) | {len(outputs)} | {seconds:.1f} | {engine_tokens:,} | "
+             f"| engine in-process (`LLM.generate`, all at once, {engine_row['torch_threads']} torch threads) | {len(outputs)} | {seconds:.1f} | {engine_tokens:,} | "
              f"{engine_row['output_tokens_per_s']:.1f} | {engine_row['requests_per_s']:.3f} |", "",
              f"Triton / engine-only output tokens/s: "
              f"{_ratio(triton['output_tokens_per_s'], engine_row['output_tokens_per_s'])}.", ""]
@@ -325,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("input-len", "output-len", "short-len", "long-len", "prefix-len"):
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="default perf/results/<experiment>-<profile>")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="triton-vs-engine: torch threads of the in-process engine (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     args.command = loadgen.command_line("perf.experiments", argv)
