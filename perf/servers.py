@@ -1,0 +1,127 @@
+"""Start a real tritonserver for a profile, or for a variant of it, for the benchmarks.
+
+A variant is the profile with a few keys overridden (`engine.batching_strategy=static`,
+`engine.enable_kv_cache_reuse=false`): it is written as a YAML file under
+`build/bench/profiles/`, validated like any profile and rendered into
+`build/bench/model_repo-<name>/`. The unchanged default profile serves the committed
+`model_repo/` (tools/serve.py's rule).
+
+One benchmark switch is not a profile key: `preprocessing_dynamic_batching=False`
+removes the `dynamic_batching { }` block from the rendered preprocessing config (Triton's
+default scheduler then hands `execute` one request at a time), so "dynamic batching off"
+can be measured without a new profile key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from inflightllm.model_source import prepare
+from inflightllm.profile import Profile, load_profile
+from tools import render_configs
+from tools.serve import repository_for
+from tools.server_launcher import TritonServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_BUILD_DIR = REPO_ROOT / "build" / "bench"
+_DYNAMIC_BATCHING_BLOCK = re.compile(r"^dynamic_batching \{.*?^\}\n\n?", re.MULTILINE | re.DOTALL)
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, object]:
+    """`["engine.batching_strategy=static", "engine.max_batch_size=8"]` -> a dict of dotted
+    keys to YAML-parsed values (`8` is an int, `false` a bool)."""
+    overrides: dict[str, object] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.batching_strategy=static")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
+def variant_profile(profile_path: Path, overrides: dict[str, object], suffix: str) -> Path:
+    """Write the profile with `overrides` applied as `build/bench/profiles/<name>-<suffix>.yaml`
+    and return its path (the unchanged profile's own path when there is nothing to change)."""
+    if not overrides:
+        return Path(profile_path)
+    data = yaml.safe_load(Path(profile_path).read_text())
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    slug = re.sub(r"[^a-z0-9]+", "-", suffix.lower()).strip("-")  # profile names: lowercase, digits, '-'
+    data["name"] = f"{data['name']}-{slug}"
+    data["description"] = f"{data.get('description', '')} [bench variant: " + ", ".join(
+        f"{key}={value}" for key, value in overrides.items()) + "]"
+    out = BENCH_BUILD_DIR / "profiles" / f"{data['name']}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# Written by perf/servers.py from {Path(profile_path).as_posix()}; do not edit.\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def disable_preprocessing_dynamic_batching(repository: Path) -> None:
+    """Remove the `dynamic_batching { }` block of `repository/preprocessing/config.pbtxt`."""
+    config = repository / "preprocessing" / "config.pbtxt"
+    text = config.read_text()
+    stripped, count = _DYNAMIC_BATCHING_BLOCK.subn("", text)
+    if count != 1:
+        raise RuntimeError(f"{config}: expected one dynamic_batching block, found {count}")
+    config.write_text(stripped)
+
+
+@dataclass
+class ServedProfile:
+    """A running server and what it serves."""
+
+    profile: Profile
+    repository: Path
+    server: TritonServer
+    preprocessing_dynamic_batching: bool
+
+    def describe(self) -> dict:
+        engine = self.profile.engine
+        return {
+            "profile": render_configs.profile_display_path(self.profile),
+            "profile_name": self.profile.name,
+            "model": self.profile.model.describe(),
+            "device": engine.device,
+            "max_batch_size": engine.max_batch_size,
+            "max_num_tokens": engine.max_num_tokens,
+            "batching_strategy": engine.batching_strategy,
+            "enable_kv_cache_reuse": engine.enable_kv_cache_reuse,
+            "stream_interval": engine.stream_interval,
+            "preprocessing_instances": self.profile.instances_preprocessing,
+            "preprocessing_dynamic_batching": self.preprocessing_dynamic_batching,
+            "preferred_batch_size": list(self.profile.preferred_batch_size),
+            "max_queue_delay_microseconds": self.profile.max_queue_delay_microseconds,
+        }
+
+
+@contextlib.contextmanager
+def serve_profile(profile_path: Path, overrides: dict[str, object] | None = None, suffix: str = "variant",
+                  preprocessing_dynamic_batching: bool = True, timeout: float = 600.0) -> Iterator[ServedProfile]:
+    """Render (if needed) and start a tritonserver on free loopback ports; stop it afterwards."""
+    path = variant_profile(Path(profile_path), overrides or {}, suffix)
+    profile = load_profile(path)
+    if preprocessing_dynamic_batching:
+        repository = repository_for(profile, build_dir=BENCH_BUILD_DIR)
+    else:
+        repository = BENCH_BUILD_DIR / f"repo-{profile.name}-no-dynamic-batching"
+        render_configs.render(profile, repository)
+        disable_preprocessing_dynamic_batching(repository)
+    prepare(profile.model)  # convert the model before the server's model load
+    server = TritonServer(repository)
+    server.start(timeout=timeout)
+    try:
+        yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching)
+    finally:
+        server.stop()
