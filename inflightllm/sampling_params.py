@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this are greedy: dividing logits by a tinier one overflows float32
+# (1e-38 turned every logit into inf and multinomial into an error). Every sampler (CPU
+# reference, GPU) reads `SamplingParams.greedy`, so all paths agree.
+GREEDY_TEMPERATURE_THRESHOLD = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -39,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -92,6 +92,7 @@ def engine_request(prompt: list[int], max_tokens: int, streaming: bool = True, *
         "num_top_logprobs": [0],
         "priority": [0],
         "exclude_input_in_output": [True],
+        "timeout_ms": [0],
     }
     for name, value in overrides.items():
         inputs[name] = [value]

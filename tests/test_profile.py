@@ -23,9 +23,9 @@ from inflightllm.profile import (
 )
 
 ENGINE_KEYS = (
-    "batching_strategy, block_size, enable_kv_cache_reuse, gpu_memory_utilization, kv_cache_bytes, "
-    "max_batch_size, max_input_length, max_num_tokens, max_output_len, priority_levels, queue_policy, "
-    "stream_interval"
+    "batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, kv_cache_bytes, "
+    "max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, priority_levels, "
+    "queue_policy, stream_interval, swap_space_blocks"
 )
 
 # A small CPU profile with a tiny random model (no files read): 2 layers, 4 heads,
@@ -377,7 +377,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         (
             [("model.shape", "llama9")],
             "model.shape: unknown model shape 'llama9'; known shapes: "
-            "llama3-70b, llama3-8b, tiny-llama3, tiny-mistral, tiny-qwen2",
+            "llama3-70b, llama3-8b, smollm2-135m, tiny-llama3, tiny-mistral, tiny-qwen2",
         ),
         ([("model.shape", "")], "model.shape: must not be empty"),
     ],

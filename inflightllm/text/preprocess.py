@@ -69,6 +69,7 @@ ENGINE_REQUEST_DTYPES: dict[str, type] = {
     "num_top_logprobs": np.int32,
     "priority": np.int32,
     "exclude_input_in_output": np.bool_,
+    "timeout_ms": np.int32,
 }
 
 
@@ -498,6 +499,13 @@ def build_engine_request(
                 f"0 to {limits.priority_levels - 1} (the profile's priority_levels is {limits.priority_levels}; larger is scheduled first)",
             )
 
+    value, label = resolve.get("timeout_ms")
+    timeout_ms = 0
+    if value is not None:
+        timeout_ms = int(value)
+        if timeout_ms < 0:
+            raise _out_of_range(label, value, "0 (the profile's default_timeout_microseconds) or more milliseconds")
+
     streaming = resolve.tensor("stream")
     exclude_input = resolve.tensor("exclude_input_in_output")
     scalars = {
@@ -519,6 +527,7 @@ def build_engine_request(
         "num_top_logprobs": num_top_logprobs,
         "priority": priority,
         "exclude_input_in_output": False if exclude_input is None else bool(exclude_input),
+        "timeout_ms": timeout_ms,
     }
     request = {"input_ids": np.array([input_ids], dtype=np.int32)}  # [1, num_prompt_tokens]
     for name, scalar in scalars.items():
