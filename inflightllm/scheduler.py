@@ -12,7 +12,9 @@ In-flight batching (`batching_strategy: inflight`), every step:
    freed and it goes back to the head of the waiting queue, to be recomputed later.
 2. Then, if nothing was preempted, waiting requests join in queue order (higher
    priority first, then arrival) while the budget, `max_batch_size` and free blocks
-   allow. A request that does not fit blocks the ones behind it (no overtaking).
+   allow. A request that does not fit blocks the ones behind it (no overtaking), unless
+   running requests of lower priority than it exist: the lowest of them is preempted
+   to make room (so a flood of low-priority work does not delay a high-priority one).
 
 Static batching (`batching_strategy: static`) admits a new batch only when the running
 set is empty, and runs that batch to completion: the baseline for comparisons.
@@ -246,11 +248,21 @@ class Scheduler:
                 self._admit_static_batch(output, budget)
             return output
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            num_new = self._try_admit(self.waiting.peek(), budget, output)
-            if num_new is None:
+        while self.waiting and budget > 0:
+            head = self.waiting.peek()
+            if len(self.running) < self.config.max_batch_size:
+                num_new = self._try_admit(head, budget, output)
+                if num_new is not None:
+                    budget -= num_new
+                    continue
+            # The head does not fit (batch or KV cache full): a running request of lower
+            # priority makes room, so a high-priority arrival never waits behind a flood.
+            lower = [r for r in self.running if r.priority < head.priority]
+            if not lower:
                 break
-            budget -= num_new
+            victim = self._victim(lower)
+            budget += self._unschedule(output, victim)
+            self._preempt(victim, output)
         return output
 
     def _try_admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
