@@ -129,7 +129,7 @@ def test_a_signal_during_start_up_stops_the_server_and_its_stubs(tmp_path, signu
     )
     try:
         # Wait for the event, not for a time: the server process exists (start-up has begun).
-        for line in iter(launcher.stdout.readline, b""):
+        for _line in iter(launcher.stdout.readline, b""):
             if _processes_with(str(repository)):
                 break
         assert _processes_with(str(repository)), "tritonserver never started"
