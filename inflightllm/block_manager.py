@@ -98,7 +98,7 @@ class BlockManager:
             index = len(hashes)
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             hashes.append(chain_hash(hashes[-1] if hashes else None, tokens))
-        return hashes[:num_full_blocks]
+        return hashes if len(hashes) == num_full_blocks else hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks that hold a prefix of the request's tokens.
@@ -136,13 +136,19 @@ class BlockManager:
             block.parent_hash = None
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks in the prefix cache."""
+        """Register the request's computed full blocks in the prefix cache. Starts after
+        the blocks this request already registered: O(new full blocks) per call."""
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
-        hashes = self._block_hashes(request, num_full)
+        if num_full <= request.num_registered_blocks:
+            return
+        self._block_hashes(request, num_full)
+        hashes = request.block_hashes
         size = self.block_size
-        for index in range(num_full):
+        first = request.num_registered_blocks
+        request.num_registered_blocks = num_full
+        for index in range(first, num_full):
             block = self.blocks[request.block_table[index]]
             if block.block_hash is not None:
                 continue
@@ -239,3 +245,4 @@ class BlockManager:
                 else:
                     self._num_free_cached += 1
         request.block_table = []
+        request.num_registered_blocks = 0

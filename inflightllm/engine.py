@@ -261,6 +261,10 @@ class Engine:
         self._counters.prompt_tokens += len(prompt_token_ids)
         return request
 
+    def count_rejected(self) -> None:
+        """A request refused before `add_request` (the serving loop saw the queue full)."""
+        self._counters.rejected += 1
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

@@ -56,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 keys of the full blocks so far
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_preemptions: int = 0
     num_swapped_blocks: int = 0  # swap mode: its computed blocks held in host memory while preempted
     admitted_seq: int = -1  # order of (re-)admission into the running set

@@ -334,3 +334,39 @@ def test_waiting_queue_is_ordered_by_priority_then_arrival_with_o1_removal():
     assert engine.abort("r3") and [r.request_id for r in waiting] == ["r1", "r2", "r0", "r4"]
     assert waiting.peek().request_id == "r1" and len(waiting) == 4
     assert EOS not in PROMPT
+
+
+def test_the_serving_loop_drops_a_request_cancelled_before_it_reached_the_engine():
+    from inflightllm.serving.engine_io import EngineRequest
+    from inflightllm.serving.engine_loop import EngineLoop
+
+    class Sink:
+        def __init__(self, cancelled):
+            self.cancelled, self.events, self.done = cancelled, [], __import__("threading").Event()
+
+        def send(self, tensors, final):
+            self.events.append(("response", final))
+            if final:
+                self.done.set()
+
+        def send_error(self, message):
+            self.events.append(("error", message))
+            self.done.set()
+
+        def is_cancelled(self):
+            return self.cancelled
+
+    engine = stub_engine()
+    loop = EngineLoop(engine)
+    gone, kept = Sink(cancelled=True), Sink(cancelled=False)
+    request = EngineRequest(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=3), priority=0,
+                            streaming=False, echo_prompt=False)
+    with loop._wakeup:  # both arrive in the same loop iteration
+        loop.start()
+        gone_id = loop.submit(request, gone)
+        loop.submit(request, kept)
+    assert gone.done.wait(60) and kept.done.wait(60)
+    loop.stop()
+    assert gone.events == [("error", "the request was cancelled before it started")]
+    assert kept.events == [("response", True)]
+    assert gone_id not in engine.runner.seen_request_ids

@@ -57,7 +57,6 @@ class EngineLoop:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
-        self.num_rejected = 0  # refused at submit: the queue was full
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._sender = ResponseSender(self)
 
@@ -96,7 +95,7 @@ class EngineLoop:
             limit = self.engine.config.max_queue_size
             waiting = len(self._inbox) + self.engine.num_waiting  # a read of a length: safe across threads
             if limit and waiting >= limit:
-                self.num_rejected += 1
+                self.engine.count_rejected()
                 sink.send_error(
                     f"the engine's queue is full: {waiting} requests are waiting (max_queue_size {limit}); "
                     "try again later"
