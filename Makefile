@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve test test-fast lint render-configs check-configs prepare-model demo bench clean
+.PHONY: install serve test test-fast lint render-configs check-configs prepare-model demo bench bench-bookkeeping soak clean
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -58,6 +58,15 @@ lint: install
 
 bench: install
 	$(PY) perf/bench_engine.py
+
+# Host time per engine step at 256 running and 5,000 waiting requests (no model).
+bench-bookkeeping: install
+	OMP_NUM_THREADS=1 $(PY) perf/bench_bookkeeping.py
+
+# >= 5,000 requests at concurrency 64 through the real server, ~20% cancelled (docs/RELIABILITY.md).
+SOAK_REQUESTS ?= 5000
+soak: install prepare-model
+	OMP_NUM_THREADS=1 $(PY) perf/soak.py --requests $(SOAK_REQUESTS) --concurrency 64 --cancel-fraction 0.2
 
 clean:
 	rm -rf build

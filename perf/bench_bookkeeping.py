@@ -36,7 +36,7 @@ class NullRunner:
             self.tokens[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
         for request_id in step.finished_request_ids:
             self.tokens.pop(request_id, None)
-        for request_id, num_new in step.scheduled:
+        for request_id, _ in step.scheduled:
             result.request_ids.append(request_id)
             result.token_ids.append(7)
             result.logprobs.append(-0.5)
