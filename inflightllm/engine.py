@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
 from inflightllm.detokenizer import CONTEXT_WINDOW
@@ -189,23 +190,23 @@ class Engine:
         so it is safe to call from another thread than the one running steps."""
         if not prompt_token_ids:
             raise InvalidRequestError("input_ids: the prompt is empty; at least 1 token is required")
-        if len(prompt_token_ids) > self.config.max_input_length:
+        if not rules.prompt_length_range(self.config.max_input_length).contains(len(prompt_token_ids)):
             raise InvalidRequestError(
                 f"input_ids: the prompt has {len(prompt_token_ids)} tokens; allowed: up to "
                 f"{self.config.max_input_length} (max_input_length)"
             )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        vocab = rules.token_id_range(self.vocab_size)
+        bad = next((t for t in prompt_token_ids if not vocab.contains(t)), None)
         if bad is not None:
             raise InvalidRequestError(
                 f"input_ids: token id {bad} is out of range; allowed: 0 to {self.vocab_size - 1}"
             )
         params.validate(self.vocab_size, self.config.max_output_len)
-        if not 0 <= priority < self.config.priority_levels:
-            raise InvalidRequestError(
-                f"priority: {priority} is out of range; allowed: 0 to {self.config.priority_levels - 1}"
-            )
+        priorities = rules.priority_range(self.config.priority_levels)
+        if not priorities.contains(priority):
+            raise InvalidRequestError(f"priority: {priority} is out of range; allowed: {priorities.allowed}")
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if rules.room_for_output(len(prompt_token_ids), params.max_tokens, self.max_model_len) is not None:
             raise InvalidRequestError(
                 f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds the model context of {self.max_model_len} tokens"

@@ -121,6 +121,10 @@ def loop(engine):
     loop.stop()
 
 
+def test_the_expected_ids_here_are_transformers_greedy_outputs(smollm2_reference):
+    assert smollm2_reference.greedy(FOX, len(FOX_GREEDY)) == FOX_GREEDY
+
+
 def test_responses_arrive_in_order_with_the_final_flag_last(loop, engine):
     steps = []
     loop.on_step = lambda stats, outputs: steps.append((stats.num_running, [o.request_id for o in outputs]))

@@ -370,3 +370,32 @@ def test_the_serving_loop_drops_a_request_cancelled_before_it_reached_the_engine
     assert gone.events == [("error", "the request was cancelled before it started")]
     assert kept.events == [("response", True)]
     assert gone_id not in engine.runner.seen_request_ids
+
+
+def test_preprocessing_and_the_engine_apply_the_same_rules(monkeypatch):
+    """The request rules are written once (inflightllm/request_rules.py): narrowing one
+    range changes what preprocessing and the engine both accept."""
+    import numpy as np
+
+    from inflightllm import request_rules as rules
+    from inflightllm.sampling_params import InvalidRequestError
+    from inflightllm.text.preprocess import RequestError, RequestLimits, build_engine_request
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) % 50 + 1 for c in text]
+
+    monkeypatch.setitem(rules.SAMPLING_RANGES, "temperature", rules.Range(0.0, 2.0, "0 to 2"))
+    limits = RequestLimits(max_input_length=100, max_output_len=50, max_model_len=150, priority_levels=3,
+                           vocab_size=100)
+    inputs = {"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[5]], dtype=np.int32),
+              "temperature": np.array([[3.0]], dtype=np.float32)}
+    with pytest.raises(RequestError) as error:
+        build_engine_request(inputs, Tokenizer(), limits)
+    assert str(error.value) == "input 'temperature': 3.0 is out of range; allowed: 0 to 2"
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(temperature=3.0).validate(100)
+    assert str(error.value) == "temperature: 3.0 is out of range; allowed: 0 to 2"
+    inputs["temperature"] = np.array([[1.5]], dtype=np.float32)
+    assert float(build_engine_request(inputs, Tokenizer(), limits)["temperature"][0, 0]) == 1.5
+    SamplingParams(temperature=1.5).validate(100)
