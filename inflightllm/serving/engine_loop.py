@@ -57,6 +57,7 @@ class EngineLoop:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
+        self._poll_ring: deque[str] = deque()  # admitted request ids, polled for cancellation in turn
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._sender = ResponseSender(self)
 
@@ -178,11 +179,27 @@ class EngineLoop:
                 self._safe_error(sink, f"engine could not accept the request: {type(error).__name__}: {error}")
                 continue
             self._active[request_id] = (request, sink)
+            self._poll_ring.append(request_id)
+
+    # Waiting requests whose sinks are polled per step (round robin); running ones are
+    # polled every step. Bounds the per-step cost of `is_cancelled()` (an IPC round trip
+    # in Triton) whatever the queue's depth.
+    WAITING_POLLS_PER_STEP = 64
 
     def _check_cancellations(self) -> None:
-        for request_id, (_, sink) in list(self._active.items()):
+        polled = [r.request_id for r in self.engine.scheduler.running]
+        ring = self._poll_ring  # every admitted request, in turn; finished ones drop out
+        for _ in range(min(self.WAITING_POLLS_PER_STEP, len(ring))):
+            request_id = ring.popleft()
+            if request_id in self._active:
+                ring.append(request_id)
+                polled.append(request_id)
+        for request_id in polled:
+            entry = self._active.get(request_id)
+            if entry is None:
+                continue
             try:
-                cancelled = sink.is_cancelled()
+                cancelled = entry[1].is_cancelled()
             except Exception:
                 cancelled = True
             if cancelled:
