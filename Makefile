@@ -23,7 +23,8 @@ SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
 .PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
-	bench-experiments perf-analyzer
+	bench-experiments perf-analyzer \
+	bench-bookkeeping soak
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -149,6 +150,15 @@ bench-experiments: bench-inflight-static bench-prefix-cache bench-dynamic-batchi
 # perf_analyzer --streaming over a concurrency range; keeps its CSV and plots it.
 perf-analyzer: install prepare-model
 	$(PY) -m perf.perf_analyzer_sweep --profile $(PROFILE) $(BENCH_ARGS)
+
+# Host time per engine step at 256 running and 5,000 waiting requests (no model).
+bench-bookkeeping: install
+	OMP_NUM_THREADS=1 $(PY) perf/bench_bookkeeping.py
+
+# >= 5,000 requests at concurrency 64 through the real server, ~20% cancelled (docs/RELIABILITY.md).
+SOAK_REQUESTS ?= 5000
+soak: install prepare-model
+	OMP_NUM_THREADS=1 $(PY) perf/soak.py --requests $(SOAK_REQUESTS) --concurrency 64 --cancel-fraction 0.2
 
 clean:
 	rm -rf build

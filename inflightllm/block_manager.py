@@ -4,9 +4,12 @@ The block manager knows blocks, not policy. Requests own their block tables; the
 manager hands out and takes back block ids, counts references, and remembers which
 full blocks hold which tokens so a later request with the same prefix can share them.
 
-Prefix caching: a full block is identified by a chained hash of its parent's hash and
-its own token ids. A hit is accepted only if the cached block's tokens are equal to the
-request's (hash collisions cannot corrupt outputs). Freed blocks keep their contents
+Prefix caching: a full block is identified by a SHA-256 chain over its parent's key, its
+own token ids and anything else that changes its K/V (`extra_key`, e.g. a LoRA id
+later). Keys are bytes, equal in every process (Python's `hash()` of None is not, on
+3.11), so ranks can share them. A hit is accepted only if the cached block's tokens
+*and* its recorded parent key equal the request's (a forged or accidental collision
+of one block's key cannot make two different prefixes share a block). Freed blocks keep their contents
 and hash and wait in the free queue; the queue's front is evicted first:
 - blocks without a hash (partial or never cached) go to the front, so they are reused
   before any cached content is lost;
@@ -16,6 +19,8 @@ and hash and wait in the free queue; the queue's front is evicted first:
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,13 +31,26 @@ from inflightllm.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    parent_hash: bytes | None = None  # the key of the block before it when it was cached
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash (None for the first block)."""
-    return hash((parent_hash, token_ids))
+ROOT_KEY = hashlib.sha256(b"inflightllm prefix cache v1").digest()
+
+
+def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key: bytes = b"") -> bytes:
+    """SHA-256 key of a full block given its parent's key (None for the first block):
+    over the parent key, the token ids (little-endian int64) and `extra_key`."""
+    digest = hashlib.sha256(parent_hash if parent_hash is not None else ROOT_KEY)
+    tokens = array("q", token_ids)
+    if tokens.itemsize != 8 or array("q", [1]).tobytes()[0] != 1:  # pragma: no cover - exotic platforms
+        raise RuntimeError("chain_hash needs little-endian 64-bit integers")
+    digest.update(len(token_ids).to_bytes(4, "little"))
+    digest.update(tokens.tobytes())
+    digest.update(len(extra_key).to_bytes(4, "little"))
+    digest.update(extra_key)
+    return digest.digest()
 
 
 class BlockManager:
@@ -46,7 +64,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block key -> block id
+        self._num_free_cached = 0  # free blocks that hold a key (kept as blocks move)
         # Counters (prefix-cache hit rate = hit tokens / queried tokens).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -64,13 +83,13 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold reusable cached content."""
-        return sum(1 for block_id in self.free_queue if self.blocks[block_id].block_hash is not None)
+        return self._num_free_cached
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ---------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """Chained hashes of the request's first `num_full_blocks` full blocks (memoised
         on the request: token ids of full blocks never change)."""
         hashes = request.block_hashes
@@ -79,7 +98,7 @@ class BlockManager:
             index = len(hashes)
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             hashes.append(chain_hash(hashes[-1] if hashes else None, tokens))
-        return hashes[:num_full_blocks]
+        return hashes if len(hashes) == num_full_blocks else hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks that hold a prefix of the request's tokens.
@@ -96,11 +115,17 @@ class BlockManager:
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
+            block = self.blocks[block_id]
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
-            if self.blocks[block_id].token_ids != tokens:
-                break  # a hash collision: never share a block with other contents
+            parent = self._parent_key(request, index)
+            if block.token_ids != tokens or block.parent_hash != parent:
+                break  # a key collision: never share a block with other contents or another prefix
             hits.append(block_id)
         return hits
+
+    @staticmethod
+    def _parent_key(request: Request, index: int) -> bytes | None:
+        return request.block_hashes[index - 1] if index > 0 else None
 
     def _evict_if_cached(self, block: Block) -> None:
         if block.block_hash is not None:
@@ -108,17 +133,24 @@ class BlockManager:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+            block.parent_hash = None
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks in the prefix cache."""
+        """Register the request's computed full blocks in the prefix cache. Starts after
+        the blocks this request already registered: O(new full blocks) per call."""
         if not self.enable_prefix_caching:
             return
         # Only tokens whose values are known (asynchronous scheduling computes one ahead).
         known = min(request.num_computed_tokens, request.num_tokens)
         num_full = min(known // self.block_size, len(request.block_table))
-        hashes = self._block_hashes(request, num_full)
+        if num_full <= request.num_registered_blocks:
+            return
+        self._block_hashes(request, num_full)
+        hashes = request.block_hashes
         size = self.block_size
-        for index in range(num_full):
+        first = request.num_registered_blocks
+        request.num_registered_blocks = num_full
+        for index in range(first, num_full):
             block = self.blocks[request.block_table[index]]
             if block.block_hash is not None:
                 continue
@@ -127,6 +159,7 @@ class BlockManager:
                 continue  # the same content is cached in another block already
             block.block_hash = hashes[index]
             block.token_ids = tuple(request.token_ids[index * size : (index + 1) * size])
+            block.parent_hash = self._parent_key(request, index)
             self.cached_blocks[block.block_hash] = block.block_id
 
     # ---- allocation -----------------------------------------------------------------
@@ -156,12 +189,27 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
+                if block.block_hash is not None:
+                    self._num_free_cached -= 1
             block.ref_count += 1
         request.block_table = list(computed_blocks)
         request.num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += request.num_computed_tokens
         self._grow(request, num_new_tokens)
+
+    def allocate_fresh(self, request: Request, num_tokens: int) -> None:
+        """Admit a request whose first `request.num_computed_tokens` tokens come back from
+        host memory (swap): fresh blocks for `num_tokens` tokens in all, no prefix sharing."""
+        if request.block_table:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        needed = self.blocks_for_tokens(num_tokens)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        self._grow(request, num_tokens)
+        request.num_computed_tokens = computed
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         return self._num_new_blocks(request, [], num_new_tokens) <= self.num_free_blocks
@@ -179,6 +227,8 @@ class BlockManager:
         while len(request.block_table) < needed:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._num_free_cached -= 1
             self._evict_if_cached(block)
             block.ref_count = 1
             request.block_table.append(block_id)
@@ -194,4 +244,7 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self._num_free_cached += 1
         request.block_table = []
+        request.num_registered_blocks = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 BATCHING_STRATEGIES = ("inflight", "static")
+PREEMPTION_MODES = ("recompute", "swap")
 DEVICE_KINDS = ("cpu", "gpu")
 
 
@@ -29,6 +30,8 @@ class EngineConfig:
     priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
     cuda_graphs: bool = True  # GPU: replay captured CUDA graphs for decode steps (false: eager, for debugging)
     async_scheduling: bool = False  # schedule and launch step N+1 before step N's tokens are emitted
+    preemption_mode: str = "recompute"  # recompute | swap (a preempted request's blocks go to host memory)
+    swap_space_blocks: int = 0  # swap: host-memory blocks for preempted requests; 0 = as many as KV blocks
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu
@@ -37,6 +40,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine instances (one per GPU group); gpu_ids holds tp x dp ids
     step_timeout_s: float = 60.0  # tensor parallel: a step longer than this fails the engine (a rank hung)
     num_kv_blocks: int = 0  # 0: derive from the memory budget; > 0: exactly this many (tests)
+    fault_injection: bool = False  # tests only: requests with the seeds of inflightllm.faults fail on purpose
 
     def to_parameters(self) -> dict[str, str]:
         params = {}

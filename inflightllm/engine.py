@@ -8,9 +8,12 @@ the Triton adapter owns it from one loop thread and feeds it through a queue.
 
 from __future__ import annotations
 
+import heapq
+import logging
 import time
 from dataclasses import dataclass, field
 
+from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
 from inflightllm.detokenizer import CONTEXT_WINDOW
@@ -21,6 +24,12 @@ from inflightllm.request import FinishReason, Request, RequestStatus
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.scheduler import Scheduler, SchedulerOutput
 from inflightllm.step import CachedRequestData, NewRequestData, StepDescription
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(InvalidRequestError):
+    """The waiting queue holds max_queue_size requests: the new one is refused at once."""
 
 
 @dataclass
@@ -43,6 +52,7 @@ class RequestOutput:
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
     e2e_latency: float | None = None
+    error: str | None = None  # the request failed alone: send this as its error response
 
 
 def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -65,6 +75,7 @@ def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         time_to_first_token=last.time_to_first_token,
         time_per_output_token=last.time_per_output_token,
         e2e_latency=last.e2e_latency,
+        error=last.error,
     )
 
 
@@ -86,6 +97,10 @@ class EngineStats:
     generation_tokens_total: int
     num_steps_total: int
     kv_usage_at_first_preemption: float | None = None  # blocks in use when the first preemption was needed
+    num_swapped_out_total: int = 0
+    num_failed_total: int = 0
+    num_timed_out_total: int = 0
+    num_rejected_total: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -102,6 +117,9 @@ class _Counters:
     generation_tokens: int = 0
     steps: int = 0
     tokens_last_step: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
     pending: list[RequestOutput] = field(default_factory=list)
 
 
@@ -126,7 +144,10 @@ class Engine:
         config: EngineConfig,
         sampler_seed: int | None = None,
         loaded: LoadedModel | None = None,
+        runner=None,
     ):
+        """`runner`: a ready runner (`execute(step) -> SampledTokens`, `num_blocks`) to use
+        instead of building one for `loaded` (tests drive the engine with a stub model)."""
         self.model_spec = model_spec
         self.config = config
         if loaded is not None:
@@ -138,15 +159,20 @@ class Engine:
 
             self.loaded = load_gpu_model(model_spec, config)
         arch = self.loaded.arch
-        dims = ModelDims.from_config(self.loaded.config)
         self.vocab_size = arch.vocab_size
         self.max_model_len = model_spec.max_model_len or arch.max_position_embeddings
-        blocks = num_kv_blocks(config, dims, model_spec.dtype)
-        if blocks is not None and blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens"
-            )
-        self.runner = make_model_runner(self.loaded, config, blocks, sampler_seed)
+        if runner is None:
+            blocks = num_kv_blocks(config, ModelDims.from_config(self.loaded.config), model_spec.dtype)
+            if blocks is not None and blocks < 1:
+                raise ValueError(
+                    f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens"
+                )
+            runner = make_model_runner(self.loaded, config, blocks, sampler_seed)
+        self.runner = runner
+        if config.fault_injection:
+            from inflightllm.faults import FaultInjectingRunner
+
+            self.runner = FaultInjectingRunner(self.runner)
         blocks = self.runner.num_blocks
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -159,6 +185,8 @@ class Engine:
         self._inflight = None
         self.requests: dict[str, Request] = {}
         self._counters = _Counters()
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
+        self._deadline_seq = 0
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -166,23 +194,23 @@ class Engine:
         so it is safe to call from another thread than the one running steps."""
         if not prompt_token_ids:
             raise InvalidRequestError("input_ids: the prompt is empty; at least 1 token is required")
-        if len(prompt_token_ids) > self.config.max_input_length:
+        if not rules.prompt_length_range(self.config.max_input_length).contains(len(prompt_token_ids)):
             raise InvalidRequestError(
                 f"input_ids: the prompt has {len(prompt_token_ids)} tokens; allowed: up to "
                 f"{self.config.max_input_length} (max_input_length)"
             )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        vocab = rules.token_id_range(self.vocab_size)
+        bad = next((t for t in prompt_token_ids if not vocab.contains(t)), None)
         if bad is not None:
             raise InvalidRequestError(
                 f"input_ids: token id {bad} is out of range; allowed: 0 to {self.vocab_size - 1}"
             )
         params.validate(self.vocab_size, self.config.max_output_len)
-        if not 0 <= priority < self.config.priority_levels:
-            raise InvalidRequestError(
-                f"priority: {priority} is out of range; allowed: 0 to {self.config.priority_levels - 1}"
-            )
+        priorities = rules.priority_range(self.config.priority_levels)
+        if not priorities.contains(priority):
+            raise InvalidRequestError(f"priority: {priority} is out of range; allowed: {priorities.allowed}")
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if rules.room_for_output(len(prompt_token_ids), params.max_tokens, self.max_model_len) is not None:
             raise InvalidRequestError(
                 f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds the model context of {self.max_model_len} tokens"
@@ -201,11 +229,23 @@ class Engine:
         priority: int = 0,
         streaming: bool = False,
         arrival_time: float | None = None,
+        timeout_s: float | None = None,
     ) -> Request:
-        """Validate and enqueue a request; raises InvalidRequestError naming the problem."""
+        """Validate and enqueue a request; raises InvalidRequestError naming the problem
+        (QueueFullError when `max_queue_size` requests are waiting already).
+
+        `timeout_s`: how long it may wait in the queue before it is failed (None or 0:
+        the profile's `default_timeout_microseconds`; both 0: no limit)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params, priority)
+        limit = self.config.max_queue_size
+        if limit and len(self.scheduler.waiting) >= limit:
+            self._counters.rejected += 1
+            raise QueueFullError(
+                f"the engine's queue is full: {len(self.scheduler.waiting)} requests are waiting "
+                f"(max_queue_size {limit}); try again later"
+            )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -215,10 +255,48 @@ class Engine:
             streaming=streaming,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
+        if not timeout_s and self.config.default_timeout_microseconds:
+            timeout_s = self.config.default_timeout_microseconds / 1e6
+        if timeout_s:
+            request.deadline = request.arrival_time + timeout_s
+            self._deadline_seq += 1
+            heapq.heappush(self._deadlines, (request.deadline, self._deadline_seq, request))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         self._counters.prompt_tokens += len(prompt_token_ids)
         return request
+
+    def count_rejected(self) -> None:
+        """A request refused before `add_request` (the serving loop saw the queue full)."""
+        self._counters.rejected += 1
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _expire_waiting(self, outputs: list[RequestOutput], now: float) -> None:
+        """Fail requests that waited in the queue past their deadline (never started)."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, request = heapq.heappop(heap)
+            if request.is_finished or request.first_admitted:
+                continue  # done, or started (a preempted request is not timed out again)
+            waited_ms = (now - request.arrival_time) * 1e3
+            limit_ms = (deadline - request.arrival_time) * 1e3
+            self._counters.timed_out += 1
+            self._fail(
+                request,
+                f"the request waited {waited_ms:.0f} ms in the queue, more than its timeout of "
+                f"{limit_ms:.0f} ms; it was not started",
+                outputs,
+            )
+
+    def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
+        """End one request with an error of its own; its blocks are freed now."""
+        request.error = message
+        self._counters.failed += 1
+        self._finish(request, FinishReason.ERROR)
+        outputs.append(self._output(request))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its final output (finish_reason cancelled) comes with the next
@@ -239,12 +317,18 @@ class Engine:
         (`async_scheduling`, GPU): schedule and launch step N+1 first, then wait for step
         N's sampled tokens and emit them, so the host work between steps overlaps the GPU."""
         outputs, self._counters.pending = self._counters.pending, []
+        if self._deadlines:
+            self._expire_waiting(outputs, time.monotonic())
         if not self.async_scheduling:
             scheduled = self.scheduler.schedule()
             self._counters.tokens_last_step = scheduled.num_batched_tokens
-            if scheduled.is_empty:
+            if scheduled.is_empty and not scheduled.swapped_out:
                 return outputs
-            sampled = self.runner.execute(self._describe(scheduled))
+            try:
+                sampled = self.runner.execute(self._describe(scheduled))
+            except Exception as error:  # fail this step's requests only; the engine goes on
+                self._fail_step(scheduled, error, outputs)
+                return outputs
             self._counters.steps += 1
             for item in scheduled.scheduled:
                 item.request.num_computed_tokens += item.num_new_tokens
@@ -256,23 +340,38 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
-        if not scheduled.is_empty:
-            handle = self.runner.launch(self._describe(scheduled))
-            self._counters.steps += 1
-            for item in scheduled.scheduled:
-                request = item.request
-                samples = item.samples
-                request.num_computed_tokens += item.num_new_tokens
-                if samples:  # its next token is being sampled on the device
-                    request.num_inflight += 1
-                    if (request.num_output_tokens + request.num_inflight >= request.params.max_tokens
-                            or request.num_tokens + request.num_inflight >= self.max_model_len):
-                        request.final_pending = True  # finishes by length: nothing more to schedule
-            launched = (handle, [item.request for item in scheduled.scheduled])
+        if not (scheduled.is_empty and not scheduled.swapped_out):
+            try:
+                handle = self.runner.launch(self._describe(scheduled))
+            except Exception as error:
+                self._fail_step(scheduled, error, outputs)
+            else:
+                self._counters.steps += 1
+                for item in scheduled.scheduled:
+                    request = item.request
+                    samples = item.samples
+                    request.num_computed_tokens += item.num_new_tokens
+                    if samples:  # its next token is being sampled on the device
+                        request.num_inflight += 1
+                        if (request.num_output_tokens + request.num_inflight >= request.params.max_tokens
+                                or request.num_tokens + request.num_inflight >= self.max_model_len):
+                            request.final_pending = True  # finishes by length: nothing more to schedule
+                launched = (handle, [item.request for item in scheduled.scheduled])
         if self._inflight is not None:
             self._resolve(outputs)
         self._inflight = launched
         return outputs
+
+    def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
+        """A step that raised fails its own requests only; the engine goes on."""
+        logger.exception("engine step failed; failing the %d requests of the step", len(scheduled.scheduled))
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        for request, _ in scheduled.swapped_out:  # their copies may not have happened: recompute
+            self.scheduler._release_swap(request)
+            request.num_computed_tokens = 0
+        for item in scheduled.scheduled:
+            if not item.request.is_finished:
+                self._fail(item.request, message, outputs)
 
     def _needs_history(self) -> bool:
         return any(request.needs_history for request in self.scheduler.running)
@@ -281,14 +380,27 @@ class Engine:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
         handle, scheduled = self._inflight
         self._inflight = None
-        sampled = handle.result()
+        try:
+            sampled = handle.result()
+        except Exception as error:  # the step failed on the device: its requests fail alone
+            logger.exception("engine step failed; failing the %d requests of the step", len(scheduled))
+            message = f"engine step failed: {type(error).__name__}: {error}"
+            for request in scheduled:
+                if not request.is_finished:
+                    self._fail(request, message, outputs)
+            return
         for request in scheduled:
             if not request.is_finished:
                 self.block_manager.cache_full_blocks(request)
         self._emit(sampled, outputs)
 
     def _emit(self, sampled, outputs: list[RequestOutput]) -> None:
-        """Append each sampled token to its request, check stops, collect outputs."""
+        """Append each sampled token to its request, check stops, collect outputs; a
+        request whose sampling or stop handling failed fails alone."""
+        for request_id, message in sampled.failed.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._fail(request, message, outputs)
         now = time.monotonic()
         for row, request_id in enumerate(sampled.request_ids):
             request = self.requests.get(request_id)
@@ -303,11 +415,17 @@ class Engine:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            reason = self._check_stop(request)
             self._counters.generation_tokens += 1
-            if reason is not FinishReason.NONE:
-                self._finish(request, reason)
-            output = self._output(request)
+            try:
+                reason = self._check_stop(request)
+                if reason is not FinishReason.NONE:
+                    self._finish(request, reason)
+                output = self._output(request)
+            except Exception as error:  # this request fails alone
+                logger.exception("stop handling failed for request %s", request_id)
+                if not request.is_finished:
+                    self._fail(request, f"stop handling failed: {type(error).__name__}: {error}", outputs)
+                continue
             if output is not None:
                 outputs.append(output)
 
@@ -316,6 +434,8 @@ class Engine:
         as deltas (new block ids, computed count); preempted and finished ids once."""
         step = StepDescription(finished_request_ids=self._runner_finished)
         self._runner_finished = []
+        step.swap_out = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_out]
+        step.swap_in = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_in]
         for request in scheduled.preempted:
             if self._runner_blocks.pop(request.request_id, None) is not None:
                 step.preempted_request_ids.append(request.request_id)
@@ -354,27 +474,41 @@ class Engine:
         del request.top_logprob_values[-count:]
 
     def _check_stop(self, request: Request) -> FinishReason:
-        token = request.token_ids[-1]
-        if token in request.stop_token_ids:
+        """Whether the token just appended ends the request. Costs O(stop sequence
+        lengths), never O(output length): it looks at the tail of `token_ids` only."""
+        tokens = request.token_ids
+        token = tokens[-1]
+        if token in request.stop_token_ids:  # the sampler bans these below min_tokens
             self._drop_last(request, 1)
             return FinishReason.STOP
-        outputs = request.output_token_ids
+        num_output = request.num_output_tokens
+        min_tokens = request.params.min_tokens
         for sequence in request.stop_multi:
-            if len(outputs) >= len(sequence) and tuple(outputs[-len(sequence) :]) == sequence:
-                self._drop_last(request, len(sequence))
+            length = len(sequence)
+            # A stop sequence counts only once min_tokens tokens precede it.
+            if (
+                token == sequence[-1]
+                and num_output - length >= min_tokens
+                and tuple(tokens[-length:]) == sequence
+            ):
+                self._drop_last(request, length)
                 return FinishReason.STOP
-        if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return FinishReason.NONE
 
     @staticmethod
     def _holdback(request: Request) -> int:
-        """Trailing tokens that could still become a stop sequence (never sent early)."""
-        outputs = request.output_token_ids
+        """Trailing tokens that could still become a stop sequence (never sent early).
+        O(sum of squared stop lengths) per call, whatever the output length."""
+        if not request.stop_multi:
+            return 0
+        tokens = request.token_ids
+        num_output = request.num_output_tokens
         longest = 0
         for sequence in request.stop_multi:
-            for length in range(min(len(sequence) - 1, len(outputs)), longest, -1):
-                if tuple(outputs[-length:]) == sequence[:length]:
+            for length in range(min(len(sequence) - 1, num_output), longest, -1):
+                if tokens[-length] == sequence[0] and tuple(tokens[-length:]) == sequence[:length]:
                     longest = length
                     break
         return longest
@@ -391,7 +525,8 @@ class Engine:
             self._runner_finished.append(request.request_id)
 
     def _output(self, request: Request) -> RequestOutput | None:
-        """The output due for this request now, or None (nothing to send yet)."""
+        """The output due for this request now, or None (nothing to send yet). Copies
+        only the new tokens and the context window: O(new tokens) per call."""
         num_output = request.num_output_tokens
         finished = request.is_finished
         upto = num_output if finished else num_output - self._holdback(request)
@@ -401,22 +536,26 @@ class Engine:
                 return None
             if start > 0 and upto - start < self.config.stream_interval:
                 return None
-        outputs = request.output_token_ids
+        tokens = request.token_ids
+        base = request.num_prompt_tokens
         params = request.params
         wants_logprobs = params.logprobs or params.top_logprobs > 0
+        if wants_logprobs:
+            request.cum_logprob_sent += float(sum(request.logprobs[start:upto]))
         output = RequestOutput(
             request_id=request.request_id,
-            new_token_ids=outputs[start:upto],
-            context_ids=outputs[max(0, start - CONTEXT_WINDOW) : start],
+            new_token_ids=tokens[base + start : base + upto],
+            context_ids=tokens[base + max(0, start - CONTEXT_WINDOW) : base + start],
             new_logprobs=request.logprobs[start:upto] if wants_logprobs else [],
             new_top_ids=request.top_logprob_ids[start:upto] if params.top_logprobs else [],
             new_top_logprobs=request.top_logprob_values[start:upto] if params.top_logprobs else [],
-            cum_logprob=float(sum(request.logprobs[:upto])) if wants_logprobs else 0.0,
+            cum_logprob=request.cum_logprob_sent if wants_logprobs else 0.0,
             finished=finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=upto,
             num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
         )
         request.num_sent_tokens = upto
         if finished:
@@ -448,4 +587,8 @@ class Engine:
             generation_tokens_total=self._counters.generation_tokens,
             num_steps_total=self._counters.steps,
             kv_usage_at_first_preemption=self.scheduler.kv_usage_at_first_preemption,
+            num_swapped_out_total=self.scheduler.num_swapped_out,
+            num_failed_total=self._counters.failed,
+            num_timed_out_total=self._counters.timed_out,
+            num_rejected_total=self._counters.rejected,
         )

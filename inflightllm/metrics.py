@@ -67,6 +67,13 @@ class EngineMetrics:
         finished = counter("inflightllm_request_finished_total", "Finished requests by finish reason")
         self.finished = {reason: finished.Metric(labels={**labels, "finish_reason": reason})
                          for reason in ("stop", "length", "cancelled")}
+        failed = counter("inflightllm_request_failed_total",
+                         "Requests that got an error of their own, by cause (error: sampling, stop handling or "
+                         "their model step; timeout: waited too long; rejected: the queue was full)")
+        self.failed = {cause: failed.Metric(labels={**labels, "cause": cause})
+                       for cause in ("error", "timeout", "rejected")}
+        self.swapped_out = counter("inflightllm_swapped_out_total",
+                                   "Preemptions that moved a request's blocks to host memory").Metric(labels=labels)
         self.ttft = histogram("inflightllm_time_to_first_token_seconds", "Time to first token").Metric(
             labels=labels, buckets=TTFT_BUCKETS)
         self.tpot = histogram("inflightllm_time_per_output_token_seconds",
@@ -95,6 +102,11 @@ class EngineMetrics:
             (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total if last else 0),
             (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total if last else 0),
             (self.steps, stats.num_steps_total, last.num_steps_total if last else 0),
+            (self.swapped_out, stats.num_swapped_out_total, last.num_swapped_out_total if last else 0),
+            (self.failed["timeout"], stats.num_timed_out_total, last.num_timed_out_total if last else 0),
+            (self.failed["error"], stats.num_failed_total - stats.num_timed_out_total,
+             last.num_failed_total - last.num_timed_out_total if last else 0),
+            (self.failed["rejected"], stats.num_rejected_total, last.num_rejected_total if last else 0),
         ):
             if now > before:
                 metric.increment(now - before)

@@ -23,10 +23,12 @@ class RequestStates:
 
     def __init__(self):
         self.requests: dict[str, Request] = {}
+        self.swapped: dict[str, object] = {}  # request id -> attention backend's swap handle
 
     def update(self, step: StepDescription) -> None:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.swapped.pop(request_id, None)
         for new in step.new_requests:
             state = self.requests.get(new.request_id)  # resumed after preemption: keeps its generator
             if state is None:
@@ -83,7 +85,19 @@ class ModelRunner:
         return CompletedStep(self.execute(step))
 
     def execute(self, step: StepDescription) -> SampledTokens:
+        # Swaps first: a swapped-out request's blocks may be handed to another request in
+        # this very step, and this step's forward writes into them.
+        for request_id, block_ids in step.swap_out:
+            self.states.swapped[request_id] = self.attention.swap_out(block_ids)
+        for request_id, block_ids in step.swap_in:
+            self.attention.swap_in(self.states.swapped.pop(request_id), block_ids)
+        for request_id in step.finished_request_ids:
+            handle = self.states.swapped.pop(request_id, None)
+            if handle is not None:
+                self.attention.discard_swapped(handle)
         self.states.update(step)
+        if not step.scheduled:
+            return SampledTokens()
         sequences: list[SequenceSlice] = []
         token_chunks: list[list[int]] = []
         last_positions: list[int] = []
@@ -110,13 +124,17 @@ class ModelRunner:
         selected = hidden[torch.tensor(last_positions, dtype=torch.int64, device=self.device)]
         logits = self.model.compute_logits(selected)  # [num_sampling, vocab] float32
         sampled = self.sampler(logits, sampling)
-        for state, token in zip(sampling, sampled.token_ids):
-            state.token_ids.append(token)
-        result.request_ids = [state.request_id for state in sampling]
-        result.token_ids = sampled.token_ids
-        result.logprobs = sampled.logprobs
-        result.top_ids = sampled.top_ids
-        result.top_logprobs = sampled.top_logprobs
+        for row, state in enumerate(sampling):
+            if sampled.errors[row] is not None:  # this request fails alone; the others go on
+                result.failed[state.request_id] = sampled.errors[row]
+                self.states.requests.pop(state.request_id, None)
+                continue
+            state.token_ids.append(sampled.token_ids[row])
+            result.request_ids.append(state.request_id)
+            result.token_ids.append(sampled.token_ids[row])
+            result.logprobs.append(sampled.logprobs[row])
+            result.top_ids.append(sampled.top_ids[row])
+            result.top_logprobs.append(sampled.top_logprobs[row])
         return result
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from inflightllm.config import BATCHING_STRATEGIES, DEVICE_KINDS, EngineConfig
+from inflightllm.config import BATCHING_STRATEGIES, DEVICE_KINDS, PREEMPTION_MODES, EngineConfig
 from inflightllm.model_source import (
     DTYPE_BYTES,
     DTYPES,
@@ -61,7 +61,9 @@ QUEUE_POLICY_KEYS = ("max_queue_size", "default_timeout_microseconds")
 DYNAMIC_BATCHING_KEYS = ("preferred_batch_size", "max_queue_delay_microseconds")
 # EngineConfig fields that do not come from `engine:` (device ones come from `device:`,
 # num_kv_blocks is for tests only, the queue policy is nested under `queue_policy:`).
-ENGINE_FIELDS_NOT_IN_SECTION = ("device", "gpu_ids", "tensor_parallel_size", "num_kv_blocks") + QUEUE_POLICY_KEYS
+ENGINE_FIELDS_NOT_IN_SECTION = (
+    "device", "gpu_ids", "tensor_parallel_size", "num_kv_blocks", "fault_injection"
+) + QUEUE_POLICY_KEYS
 
 _ENGINE_DEFAULTS = EngineConfig()
 DEFAULT_INSTANCES = 1
@@ -379,6 +381,12 @@ def _read_engine(
         "stream_interval": reader.integer(get("stream_interval"), "engine.stream_interval", 1, 1024),
         "priority_levels": reader.integer(get("priority_levels"), "engine.priority_levels", 1, 16),
         "cuda_graphs": reader.boolean(get("cuda_graphs"), "engine.cuda_graphs"),
+        "preemption_mode": reader.choice(
+            reader.string(get("preemption_mode"), "engine.preemption_mode"),
+            "engine.preemption_mode",
+            PREEMPTION_MODES,
+        ),
+        "swap_space_blocks": reader.integer(get("swap_space_blocks"), "engine.swap_space_blocks", 0),
     }
     utilization = values["gpu_memory_utilization"]
     if not 0.0 < utilization < 1.0:

@@ -24,13 +24,14 @@ class FinishReason(enum.IntEnum):
     STOP = 1
     LENGTH = 2
     CANCELLED = 3
+    ERROR = 4  # engine-internal: the request failed alone; it gets an error response, never this code
 
     @property
     def text(self) -> str:
         return "" if self is FinishReason.NONE else self.name.lower()
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: queue operations never compare fields
 class Request:
     """One sequence: its tokens, counters, KV block table and emission state.
 
@@ -54,8 +55,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 keys of the full blocks so far
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_preemptions: int = 0
+    num_swapped_blocks: int = 0  # swap mode: its computed blocks held in host memory while preempted
     admitted_seq: int = -1  # order of (re-)admission into the running set
 
     # Generated-token bookkeeping.
@@ -63,6 +66,9 @@ class Request:
     top_logprob_ids: list[list[int]] = field(default_factory=list)
     top_logprob_values: list[list[float]] = field(default_factory=list)
     num_sent_tokens: int = 0  # generated tokens already handed out in outputs
+    cum_logprob_sent: float = 0.0  # sum of the log probs of the sent tokens (kept as they are sent)
+    error: str | None = None  # set when the request failed alone (sampling, stop handling, its step)
+    deadline: float | None = None  # monotonic time after which a still-waiting request times out
     finish_reason: FinishReason = FinishReason.NONE
     generator: torch.Generator | None = None
     first_token_time: float | None = None

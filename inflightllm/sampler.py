@@ -12,18 +12,28 @@ from inflightllm.request import Request
 
 @dataclass
 class SampleOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 where the row failed
     logprobs: list[float | None] = field(default_factory=list)  # of the chosen token
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)  # per row: why it failed, or None
 
 
 def _tail_matches(tokens: list[int], prefix: tuple[int, ...]) -> bool:
     return len(tokens) >= len(prefix) and tuple(tokens[len(tokens) - len(prefix) :]) == prefix
 
 
+class SamplingError(RuntimeError):
+    """One row could not be sampled (non-finite logits, nothing left to sample, ...)."""
+
+
 class Sampler:
-    """Samples one token per row of logits; rows follow the given requests."""
+    """Samples one token per row of logits; rows follow the given requests.
+
+    Each row is guarded on its own: a row whose sampling fails (NaN logits, every token
+    banned, a failing knob) gets an error in `SampleOutput.errors` and token id -1, and
+    the other rows are sampled as usual.
+    """
 
     def __init__(self, seed: int | None = None):
         self.generator = torch.Generator()
@@ -37,35 +47,43 @@ class Sampler:
         """logits: [num_requests, vocab_size] float32 (modified in place)."""
         raw_logprobs = None
         if any(r.params.logprobs or r.params.top_logprobs for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # row-wise: a bad row spoils only itself
+        output = SampleOutput(token_ids=[])
         for row, request in enumerate(requests):
-            self._apply_penalties_and_bans(logits[row], request)
-
-        token_ids = torch.empty(len(requests), dtype=torch.int64)
-        for row, request in enumerate(requests):
-            params = request.params
-            if params.greedy:
-                token_ids[row] = int(torch.argmax(logits[row]))
-            else:
-                token_ids[row] = self._sample_row(logits[row], request)
-
-        output = SampleOutput(token_ids=token_ids.tolist())
-        for row, request in enumerate(requests):
-            if raw_logprobs is None or not (request.params.logprobs or request.params.top_logprobs):
+            try:
+                token, logprob, top_ids, top_values = self._sample_one(logits[row], raw_logprobs, row, request)
+            except Exception as error:  # this request fails alone
+                output.token_ids.append(-1)
                 output.logprobs.append(None)
                 output.top_ids.append([])
                 output.top_logprobs.append([])
+                output.errors.append(f"sampling failed: {type(error).__name__}: {error}")
                 continue
-            output.logprobs.append(float(raw_logprobs[row, output.token_ids[row]]))
-            count = request.params.top_logprobs
-            if count:
-                values, ids = torch.topk(raw_logprobs[row], count)
-                output.top_ids.append(ids.tolist())
-                output.top_logprobs.append(values.tolist())
-            else:
-                output.top_ids.append([])
-                output.top_logprobs.append([])
+            output.token_ids.append(token)
+            output.logprobs.append(logprob)
+            output.top_ids.append(top_ids)
+            output.top_logprobs.append(top_values)
+            output.errors.append(None)
         return output
+
+    def _sample_one(self, row_logits: torch.Tensor, raw_logprobs, row: int, request: Request):
+        if bool(torch.isnan(row_logits).any()):
+            raise SamplingError("the model's logits hold NaN")
+        self._apply_penalties_and_bans(row_logits, request)
+        if not bool(torch.isfinite(row_logits).any()):
+            raise SamplingError("no token is left to sample (every logit is -inf or inf)")
+        if request.params.greedy:
+            token = int(torch.argmax(row_logits))
+        else:
+            token = self._sample_row(row_logits, request)
+        params = request.params
+        if raw_logprobs is None or not (params.logprobs or params.top_logprobs):
+            return token, None, [], []
+        logprob = float(raw_logprobs[row, token])
+        if not params.top_logprobs:
+            return token, logprob, [], []
+        values, ids = torch.topk(raw_logprobs[row], params.top_logprobs)
+        return token, logprob, ids.tolist(), values.tolist()
 
     def _apply_penalties_and_bans(self, row: torch.Tensor, request: Request) -> None:
         params = request.params
@@ -104,5 +122,7 @@ class Sampler:
         probs = torch.softmax(row, dim=-1)
         if params.min_p > 0.0:
             probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            raise SamplingError(f"the sampling distribution is not finite (temperature {params.temperature})")
         generator = request.generator if request.generator is not None else self.generator
         return int(torch.multinomial(probs, 1, generator=generator))

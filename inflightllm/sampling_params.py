@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20
+from inflightllm import request_rules as rules
+from inflightllm.request_rules import MAX_TOP_LOGPROBS
+
+__all__ = ["MAX_TOP_LOGPROBS", "GREEDY_TEMPERATURE_THRESHOLD", "InvalidRequestError", "SamplingParams"]
+# Temperatures below this are greedy: dividing logits by a tinier one overflows float32
+# (1e-38 turned every logit into inf and multinomial into an error). Every sampler (CPU
+# reference, GPU) reads `SamplingParams.greedy`, so all paths agree.
+GREEDY_TEMPERATURE_THRESHOLD = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -39,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
@@ -56,30 +63,21 @@ class SamplingParams:
             return InvalidRequestError(f"{name}: {value!r} is out of range; allowed: {allowed}")
 
         limit = max_output_len if max_output_len is not None else 2**31 - 1
-        if not 1 <= self.max_tokens <= limit:
-            raise bad("max_tokens", self.max_tokens, f"1 to {limit}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"0 to max_tokens ({self.max_tokens})")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", self.temperature, "0 to 100 (0 = greedy)")
-        if self.top_k < 0:
-            raise bad("top_k", self.top_k, "0 (off) or more")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "greater than 0, up to 1 (1 = off)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "0 to 1 (0 = off)")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0, up to 100 (1 = off)")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "-2 to 2")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "-2 to 2")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", self.seed, "0 to 2**63 - 1")
-        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
-            raise bad("end_id", self.end_id, f"0 to {vocab_size - 1} (the vocabulary)")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad("num_top_logprobs", self.top_logprobs, f"0 to {MAX_TOP_LOGPROBS}")
+        checks = [
+            ("max_tokens", self.max_tokens, rules.max_tokens_range(limit)),
+            ("min_tokens", self.min_tokens, rules.min_tokens_range(self.max_tokens)),
+            *((name, getattr(self, name), rule) for name, rule in rules.SAMPLING_RANGES.items()),
+            ("top_k", self.top_k, rules.TOP_K),
+        ]
+        if self.seed is not None:
+            checks.append(("seed", self.seed, rules.SEED))
+        if self.end_id is not None:
+            checks.append(("end_id", self.end_id, rules.token_id_range(vocab_size)))
+        checks.append(("num_top_logprobs", self.top_logprobs, rules.TOP_LOGPROBS))
+        for name, value, rule in checks:
+            if not rule.contains(value):
+                allowed = rule.allowed + (" (the vocabulary)" if name == "end_id" else "")
+                raise bad(name, value, allowed)
         for name, sequences in (("stop_words", self.stop_sequences), ("bad_words", self.bad_words)):
             for sequence in sequences:
                 if not sequence:

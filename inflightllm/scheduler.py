@@ -12,15 +12,28 @@ In-flight batching (`batching_strategy: inflight`), every step:
    freed and it goes back to the head of the waiting queue, to be recomputed later.
 2. Then, if nothing was preempted, waiting requests join in queue order (higher
    priority first, then arrival) while the budget, `max_batch_size` and free blocks
-   allow. A request that does not fit blocks the ones behind it (no overtaking).
+   allow. A request that does not fit blocks the ones behind it (no overtaking), unless
+   running requests of lower priority than it exist: the lowest of them is preempted
+   to make room (so a flood of low-priority work does not delay a high-priority one).
 
 Static batching (`batching_strategy: static`) admits a new batch only when the running
 set is empty, and runs that batch to completion: the baseline for comparisons.
+
+Preemption modes: `recompute` frees a victim's blocks and recomputes its tokens later
+(often from the prefix cache); `swap` copies its computed blocks to host memory (the
+runner's attention backend does the copies, before the step's forward) and copies them
+back into fresh blocks on readmission, falling back to recompute when the host pool is
+full.
+
+Bookkeeping is constant-cost per request: the waiting queue is one insertion-ordered
+map per priority level (push, push-to-head, remove by id and peek are O(1)), and
+requests are compared by identity.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from inflightllm.block_manager import BlockManager
@@ -47,6 +60,10 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # swap mode: (request, device block ids to copy to host) for victims swapped out this
+    # step, and (request, fresh block ids to copy back into) for requests swapped in.
+    swapped_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swapped_in: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,62 +74,137 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class WaitingQueue:
+    """Waiting requests in scheduling order: higher priority first, then queue order.
+
+    One insertion-ordered map (request id -> request) per priority level: append, push to
+    the head, remove and peek cost O(1) whatever the queue's depth."""
+
+    def __init__(self):
+        self._levels: dict[int, OrderedDict[str, Request]] = {}
+        self._priorities: list[int] = []  # levels present, highest first
+        self._count = 0
+
+    def _level(self, priority: int) -> OrderedDict[str, Request]:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = OrderedDict()
+            self._priorities = sorted(self._levels, reverse=True)
+        return level
+
+    def append(self, request: Request) -> None:
+        self._level(request.priority)[request.request_id] = request
+        self._count += 1
+
+    def push_front(self, request: Request) -> None:
+        level = self._level(request.priority)
+        level[request.request_id] = request
+        level.move_to_end(request.request_id, last=False)
+        self._count += 1
+
+    def remove(self, request: Request) -> bool:
+        level = self._levels.get(request.priority)
+        if level is None or level.get(request.request_id) is not request:
+            return False
+        del level[request.request_id]
+        self._count -= 1
+        return True
+
+    def __contains__(self, request: Request) -> bool:
+        level = self._levels.get(request.priority)
+        return level is not None and level.get(request.request_id) is request
+
+    def peek(self) -> Request:
+        for priority in self._priorities:
+            level = self._levels[priority]
+            if level:
+                return next(iter(level.values()))
+        raise IndexError("the waiting queue is empty")
+
+    def __getitem__(self, index: int) -> Request:
+        if index == 0:
+            return self.peek()
+        for position, request in enumerate(self):
+            if position == index:
+                return request
+        raise IndexError(index)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for priority in self._priorities:
+            yield from list(self._levels[priority].values())
+
+
 class Scheduler:
     """Token-budgeted scheduler with chunked prefill, priorities and preemption."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: list[Request] = []  # kept sorted by _queue_key
-        self.running: list[Request] = []  # in admission order
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # in admission order (at most max_batch_size)
         self._next_arrival = 0
         self._next_admission = 0
-        self._head_seq = 0  # preempted requests go before every arrival
         self.num_preemptions = 0
         # Fraction of the KV blocks in use when the first preemption was needed (None: never).
         self.kv_usage_at_first_preemption: float | None = None
+        self.num_swapped_out = 0  # swap-mode preemptions
+        self.swap_space_blocks = 0
+        if config.preemption_mode == "swap":
+            self.swap_space_blocks = config.swap_space_blocks or block_manager.num_blocks
+        self.num_free_swap_blocks = self.swap_space_blocks
 
     # ---- queue ----------------------------------------------------------------------
-    @staticmethod
-    def _queue_key(request: Request) -> tuple[int, int]:
-        return (-request.priority, request.arrival_seq)
-
     def add_request(self, request: Request) -> None:
         request.arrival_seq = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
-        self._insert_waiting(request)
-
-    def _insert_waiting(self, request: Request) -> None:
-        keys = [self._queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
+        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def remove(self, request: Request) -> None:
-        """Take a request out of the queues (finished or aborted) and free its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        """Take a request out of the queues (finished or aborted) and free its blocks
+        (and its host-memory blocks if it was swapped out)."""
+        if not self.waiting.remove(request) and request in self.running:
+            self.running.remove(request)  # identity comparison; at most max_batch_size entries
         self.block_manager.free(request)
+        self._release_swap(request)
+
+    def _release_swap(self, request: Request) -> None:
+        self.num_free_swap_blocks += request.num_swapped_blocks
+        request.num_swapped_blocks = 0
 
     # ---- scheduling ------------------------------------------------------------------
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         if self.kv_usage_at_first_preemption is None:
             manager = self.block_manager
             self.kv_usage_at_first_preemption = manager.num_used_blocks / manager.num_blocks
         self.running.remove(request)
+        num_swap = request.num_computed_tokens // self.block_manager.block_size  # full computed blocks
+        if self.swap_space_blocks and 0 < num_swap <= self.num_free_swap_blocks:
+            # Keep the K/V of its full computed blocks: the runner copies them to host memory
+            # before this step's forward overwrites anything.
+            output.swapped_out.append((request, list(request.block_table[:num_swap])))
+            self.num_free_swap_blocks -= num_swap
+            request.num_swapped_blocks = num_swap
+            request.num_computed_tokens = num_swap * self.block_manager.block_size
+            self.num_swapped_out += 1
+        else:
+            request.num_computed_tokens = 0
         self.block_manager.free(request)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        output.preempted.append(request)
         # Back to the head of the queue: before every waiting request of its priority.
-        self._head_seq -= 1
-        request.arrival_seq = self._head_seq
-        self._insert_waiting(request)
+        self.waiting.push_front(request)
 
     @staticmethod
     def _unschedule(output: SchedulerOutput, request: Request) -> int:
@@ -150,8 +242,7 @@ class Scheduler:
                 if victim.priority > request.priority:
                     victim = request  # never preempt a higher priority for a lower one
                 budget += self._unschedule(output, victim)
-                self._preempt(victim)
-                output.preempted.append(victim)
+                self._preempt(victim, output)
                 if victim is request:
                     break
             else:
@@ -165,23 +256,57 @@ class Scheduler:
                 self._admit_static_batch(output, budget)
             return output
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
+        while self.waiting and budget > 0:
+            head = self.waiting.peek()
+            if len(self.running) < self.config.max_batch_size:
+                num_new = self._try_admit(head, budget, output)
+                if num_new is not None:
+                    budget -= num_new
+                    continue
+            # The head does not fit (batch or KV cache full): a running request of lower
+            # priority makes room, so a high-priority arrival never waits behind a flood.
+            lower = [r for r in self.running if r.priority < head.priority]
+            if not lower:
+                break
+            victim = self._victim(lower)
+            budget += self._unschedule(output, victim)
+            self._preempt(victim, output)
+        return output
+
+    def _try_admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Admit the head of the queue with up to `budget` new tokens; None if it does not fit."""
+        manager = self.block_manager
+        if request.num_swapped_blocks:
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if manager.blocks_for_tokens(request.num_computed_tokens + num_new) > manager.num_free_blocks:
+                return None
+            self._admit_swapped(request, num_new, output)
+        else:
             computed = manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - len(computed) * manager.block_size, budget)
             if not manager.can_allocate(request, computed, num_new):
-                break
+                return None
             self._admit(request, computed, num_new)
+        if num_new > 0:
             output.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-        return output
+        return num_new
+
+    def _admit_swapped(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+        self.waiting.remove(request)
+        self.block_manager.allocate_fresh(request, request.num_computed_tokens + num_new)
+        output.swapped_in.append((request, list(request.block_table[: request.num_swapped_blocks])))
+        self._release_swap(request)
+        self._start_running(request)
 
     def _admit(self, request: Request, computed: list[int], num_new: int) -> None:
         self.waiting.remove(request)
         self.block_manager.allocate(request, computed, num_new)
         if not request.first_admitted:
             request.num_cached_tokens = request.num_computed_tokens
-            request.first_admitted = True
+        self._start_running(request)
+
+    def _start_running(self, request: Request) -> None:
+        request.first_admitted = True
         request.status = RequestStatus.RUNNING
         request.admitted_seq = self._next_admission
         self._next_admission += 1
@@ -190,14 +315,8 @@ class Scheduler:
     def _admit_static_batch(self, output: SchedulerOutput, budget: int) -> None:
         """Form a new static batch: up to max_batch_size requests, all admitted now even
         if the token budget only lets the first ones start their prefill this step."""
-        manager = self.block_manager
         while self.waiting and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
-            computed = manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - len(computed) * manager.block_size, budget)
-            if not manager.can_allocate(request, computed, num_new):
+            num_new = self._try_admit(self.waiting.peek(), budget, output)
+            if num_new is None:
                 break
-            self._admit(request, computed, num_new)
-            if num_new > 0:
-                output.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+            budget -= num_new

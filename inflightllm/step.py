@@ -50,6 +50,11 @@ class StepDescription:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Finished or aborted since the last step: the runner forgets them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Swap-mode preemption, done before the forward: (request id, device block ids) whose
+    # K/V go to host memory (the request is also in `preempted_request_ids`), and
+    # (request id, fresh device block ids) that get a swapped-out request's K/V back.
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -66,3 +71,6 @@ class SampledTokens:
     logprobs: list[float | None] = field(default_factory=list)  # of the chosen token, when asked
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # Requests whose sampling failed this step (request id -> why): they get no token and
+    # fail alone; the runner already forgot them.
+    failed: dict[str, str] = field(default_factory=dict)

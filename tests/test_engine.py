@@ -64,6 +64,13 @@ def final(outputs: list[tuple[int, RequestOutput]]) -> RequestOutput:
     return outputs[-1][1]
 
 
+def test_the_expected_ids_here_are_transformers_greedy_outputs(smollm2_reference, yes_no_prompt):
+    """The token ids the tests below expect are checked against `transformers`' greedy
+    `generate` on the same weights, not trusted as pasted."""
+    assert smollm2_reference.greedy(FOX, len(FOX_GREEDY)) == FOX_GREEDY
+    assert smollm2_reference.greedy(yes_no_prompt, 8) == [10539, 30]  # "Yes." then EOS
+
+
 # ---- validation -------------------------------------------------------------------
 
 def test_add_request_validation_messages(smollm2_loaded):

@@ -92,6 +92,7 @@ def engine_request(prompt: list[int], max_tokens: int, streaming: bool = True, *
         "num_top_logprobs": [0],
         "priority": [0],
         "exclude_input_in_output": [True],
+        "timeout_ms": [0],
     }
     for name, value in overrides.items():
         inputs[name] = [value]
@@ -118,6 +119,10 @@ def loop(engine):
     loop = EngineLoop(engine, idle_wait_s=0.05).start()
     yield loop
     loop.stop()
+
+
+def test_the_expected_ids_here_are_transformers_greedy_outputs(smollm2_reference):
+    assert smollm2_reference.greedy(FOX, len(FOX_GREEDY)) == FOX_GREEDY
 
 
 def test_responses_arrive_in_order_with_the_final_flag_last(loop, engine):

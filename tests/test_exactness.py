@@ -54,8 +54,40 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
     return [smollm2_tokenizer.encode(text) for text in chats + TEXTS]
 
 
+class Events:
+    """What happened in a run, recorded from the engine's step descriptions and its
+    scheduler: prefill steps per request, and preemptions mid-prefill / mid-decode."""
+
+    def __init__(self, engine: Engine):
+        self.prefill_steps: dict[str, int] = {}  # request id -> steps it spent in prefill
+        self.preempted_mid_prefill = 0
+        self.preempted_mid_decode = 0
+        self.swapped_out = 0
+        execute, preempt = engine.runner.execute, engine.scheduler._preempt
+
+        def record_step(step):
+            for request_id, _ in step.scheduled:
+                request = engine.requests[request_id]
+                if request.num_output_tokens == 0 and request.num_computed_tokens < request.num_prompt_tokens:
+                    self.prefill_steps[request_id] = self.prefill_steps.get(request_id, 0) + 1
+            self.swapped_out += len(step.swap_out)
+            return execute(step)
+
+        def record_preempt(request, output):
+            # Mid-prefill: its prompt (or, resumed, its recompute) was not all computed yet.
+            if request.num_computed_tokens < request.num_tokens - 1:
+                self.preempted_mid_prefill += 1
+            else:
+                self.preempted_mid_decode += 1
+            return preempt(request, output)
+
+        engine.runner.execute = record_step
+        engine.scheduler._preempt = record_preempt
+
+
 def run_engine(loaded, prompts, max_tokens, config, arrival_steps, sampler_seed=0):
     engine = Engine(DEFAULT_MODEL, config, sampler_seed=sampler_seed, loaded=loaded)
+    engine.events = Events(engine)
     llm = LLM(DEFAULT_MODEL, engine=engine, load_tokenizer_too=False)
     params = [SamplingParams(max_tokens=n) for n in max_tokens]
     results = llm.generate(prompts, params, arrival_steps=arrival_steps)
@@ -88,17 +120,27 @@ def test_chunked_prefill_equals_transformers(smollm2_loaded, smollm2_reference, 
     results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
     assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
     assert engine.stats().num_blocks_used == 0
+    # The chunks happened: every prompt longer than the budget was prefilled over several steps.
+    steps = engine.events.prefill_steps
+    assert sum(1 for count in steps.values() if count >= 3) >= 1
+    assert all(steps[result.request_id] >= -(-len(p) // 24) for result, p in zip(results, prompts))
 
 
-def test_preemption_and_recompute_equal_transformers(smollm2_loaded, smollm2_reference, prompts):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_equals_transformers(smollm2_loaded, smollm2_reference, prompts, mode):
     longest = max(len(p) + n for p, n in zip(prompts, MAX_TOKENS))
     blocks = -(-longest // 16) + 6  # room for the longest request and a little more
-    config = EngineConfig(max_num_tokens=256, num_kv_blocks=blocks)
+    config = EngineConfig(max_num_tokens=24, num_kv_blocks=blocks, preemption_mode=mode)
     arrivals = [0] * 8 + [1] * 8
     results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
     assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
     stats = engine.stats()
-    assert stats.num_preemptions_total > 0
+    events = engine.events
+    # Preemptions happened both mid-prefill and mid-decode.
+    assert events.preempted_mid_prefill >= 1 and events.preempted_mid_decode >= 1, vars(events)
+    assert stats.num_preemptions_total == events.preempted_mid_prefill + events.preempted_mid_decode
+    if mode == "swap":
+        assert stats.num_swapped_out_total >= 1 and events.swapped_out == stats.num_swapped_out_total
     assert stats.num_blocks_used == 0
 
 
@@ -140,6 +182,12 @@ def tiny_model(request, tmp_path_factory):
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if request.param == "tiny-qwen2":  # transformers initialises biases to zero: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    assert projection.bias is not None
+                    projection.bias.normal_(0.0, 0.5)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     return request.param, folder, model

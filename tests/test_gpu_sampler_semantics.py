@@ -112,3 +112,16 @@ def batched_many(params, logits):
     for row, state in enumerate(states):
         sampler.add_row(row, state)
     return sampler(logits.clone(), np.arange(len(params)), states)
+
+
+def test_a_row_whose_adjustment_fails_is_reported_alone():
+    bad = request(SamplingParams(repetition_penalty=1.3), name="bad")
+    bad.token_ids.append(VOCAB + 5)  # an id outside the logits: the penalty's indexing raises
+    good = request(SamplingParams(), name="good")
+    sampler = GpuSampler(torch.device("cpu"), max_rows=2, seed=0)
+    sampler.add_row(0, bad)
+    sampler.add_row(1, good)
+    logits = random_logits(2, seed=4)
+    result = sampler.sample(logits.clone(), np.arange(2), [bad, good])
+    assert list(result.errors) == [0] and result.errors[0].startswith("sampling failed: IndexError")
+    assert result.token_ids[1].item() == int(torch.argmax(logits[1]))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +110,46 @@ def test_server_environment_puts_this_python_first(tmp_path):
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
     libdirs = env["LD_LIBRARY_PATH"].split(":")
     assert libdirs == [sysconfig.get_config_var("LIBDIR"), str(tmp_path / "lib"), "/opt/lib"]
+
+
+def _processes_with(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if text in cmdline and "Z (zombie)" not in state:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_stops_the_server_and_its_stubs(tmp_path, signum):
+    """Issue 11, problem 6: a SIGTERM that reached the launcher during start-up killed it
+    before its handler was installed and left `tritonserver` running with its ports."""
+    repository = tokenizer_only_repository(tmp_path)
+    launcher = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "tools" / "server_launcher.py"), "--model-repository", str(repository),
+         "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        # Wait for the event, not for a time: the server process exists (start-up has begun).
+        for _line in iter(launcher.stdout.readline, b""):
+            if _processes_with(str(repository)):
+                break
+        assert _processes_with(str(repository)), "tritonserver never started"
+        launcher.send_signal(signum)
+        launcher.stdout.read()  # until the launcher exits and closes its output
+        assert launcher.wait(timeout=120) == 0
+        assert _processes_with(str(repository)) == []  # neither tritonserver nor a stub is left
+    finally:
+        for pid in _processes_with(str(repository)):  # clean up after a failure
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()

@@ -109,6 +109,7 @@ def test_defaults_fill_every_engine_input(smollm2_tokenizer):
         "num_top_logprobs": 0,
         "priority": 0,
         "exclude_input_in_output": False,
+        "timeout_ms": 0,
     }
 
 

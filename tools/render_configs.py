@@ -91,6 +91,7 @@ ENSEMBLE_INPUTS = (
     _t("return_log_probs", "TYPE_BOOL", optional=True),
     _t("num_top_logprobs", "TYPE_INT32", optional=True),
     _t("priority", "TYPE_INT32", optional=True),
+    _t("timeout_ms", "TYPE_INT32", optional=True),
     _t("sampling_parameters", "TYPE_STRING", optional=True),
     _t("return_finish_reason", "TYPE_BOOL", optional=True),
     _t("return_num_input_tokens", "TYPE_BOOL", optional=True),
@@ -146,6 +147,7 @@ PREPROCESSING_TO_ENGINE = (
     _t("num_top_logprobs", "TYPE_INT32"),
     _t("priority", "TYPE_INT32"),
     _t("exclude_input_in_output", "TYPE_BOOL"),
+    _t("timeout_ms", "TYPE_INT32"),
 )
 
 # The engine's inputs: preprocessing's outputs, plus the control input `cancel_request`.

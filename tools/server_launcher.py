@@ -159,16 +159,32 @@ class TritonServer:
             raise ServerStartError(f"{binary} is missing: run `make install` first")
         env = server_environment(self.server_dir, self.env)
         Path(self.log_path).write_bytes(b"")
-        self.process = subprocess.Popen(
-            self.command(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        # The server has its own session (a terminal's Ctrl-C must not reach it directly);
-        # make sure it does not outlive this Python process.
-        atexit.register(self.stop)
+        # A SIGTERM/SIGINT that arrives while the process is being created waits (deferred)
+        # until the process is recorded and its cleanup registered, then goes to the
+        # previous handler: a signal at this moment cannot leave an unrecorded server behind.
+        # (Blocking the signals instead would leave them blocked in the child.)
+        deferred: list[int] = []
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = {}
+        if in_main_thread:
+            previous = {sig: signal.signal(sig, lambda signum, frame: deferred.append(signum))
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            # The server has its own session (a terminal's Ctrl-C must not reach it directly);
+            # make sure it does not outlive this Python process.
+            atexit.register(self.stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if deferred:
+                signal.raise_signal(deferred[0])
         # One reader thread copies the server's output to the log file (and to our
         # stdout for `make serve`), so the pipe never fills and the log is always there.
         self._log_thread = threading.Thread(
@@ -228,7 +244,13 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             status = self.process.wait(timeout=10)
-        self._log_thread.join(timeout=5)
+        try:  # a Python backend stub left in the server's process group goes too
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        log_thread = getattr(self, "_log_thread", None)
+        if log_thread is not None:
+            log_thread.join(timeout=5)
         self._remove_temporary_log()
         return status
 
@@ -266,25 +288,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"starting tritonserver on {args.model_repository} (HTTP {server.http_url}, gRPC {server.grpc_url}, "
           f"metrics {server.metrics_url})", flush=True)
-    try:
-        server.start(stream_log=True, timeout=600)
-    except ServerStartError as error:
-        print(error, file=sys.stderr)
-        return 1
-    print("tritonserver is ready; Ctrl-C stops it", flush=True)
+    return run_in_foreground(server)
 
-    def terminate(signum, frame):
-        raise KeyboardInterrupt
 
-    # The server runs in its own session (so a terminal's Ctrl-C reaches only us): stop it
-    # on SIGTERM too, or it would outlive this launcher.
-    signal.signal(signal.SIGTERM, terminate)
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_in_foreground(server: TritonServer) -> int:
+    """Start the server, wait for it, stop it on SIGTERM or SIGINT at any moment.
+
+    The handlers are installed before the server starts: the server runs in its own
+    session (so a terminal's Ctrl-C reaches only us), and a signal that arrived during
+    start-up used to kill this launcher with the default action and orphan the server."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        try:
+            server.start(stream_log=True, timeout=600)
+        except ServerStartError as error:
+            print(error, file=sys.stderr)
+            return 1
+        print("tritonserver is ready; Ctrl-C stops it", flush=True)
         return server.process.wait()
     except KeyboardInterrupt:
-        return server.stop() or 0
+        print("stopping tritonserver", flush=True)
+        return 0
     finally:
+        # Stopping must not be interrupted by a second signal.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
         server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

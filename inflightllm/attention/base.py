@@ -68,3 +68,66 @@ class AttentionBackend(abc.ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write the new K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
+
+    # ---- swap (preemption_mode: swap) ------------------------------------------------
+    # A preempted request's blocks are copied to host memory and later back into other
+    # blocks. The CPU reference keeps a separate CPU tensor pool; a CUDA backend copies
+    # to pinned host tensors. Handles are opaque to the caller.
+    def swap_out(self, block_ids: list[int]):
+        """Copy the K/V of `block_ids` (every layer) to host memory; returns a handle."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+    def swap_in(self, handle, block_ids: list[int]) -> None:
+        """Copy a swapped-out handle's K/V into `block_ids` (same count) and free the handle."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+    def discard_swapped(self, handle) -> None:
+        """Free a handle's host memory without copying it back (the request ended)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+
+class HostSwapMixin:
+    """swap_out/swap_in over per-layer `key_cache`/`value_cache` tensors of slots
+    ([num_blocks * block_size, num_kv_heads, head_dim]): each swapped block is copied into
+    fresh host tensors (pinned when the cache is on a GPU) and back with `index_copy_`."""
+
+    key_cache: list[torch.Tensor]
+    value_cache: list[torch.Tensor]
+    block_size: int
+
+    def _block_slots(self, block_ids: list[int], device) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
+        return slots.to(device)
+
+    def swap_out(self, block_ids: list[int]):
+        if not block_ids:
+            return []
+        device = self.key_cache[0].device
+        slots = self._block_slots(block_ids, device)
+        pin = device.type == "cuda"
+        handle = []
+        for key, value in zip(self.key_cache, self.value_cache):
+            # [len(block_ids) * block_size, num_kv_heads, head_dim] each, in host memory.
+            host_key = torch.empty((slots.shape[0], *key.shape[1:]), dtype=key.dtype, pin_memory=pin)
+            host_value = torch.empty((slots.shape[0], *value.shape[1:]), dtype=value.dtype, pin_memory=pin)
+            host_key.copy_(key.index_select(0, slots), non_blocking=pin)
+            host_value.copy_(value.index_select(0, slots), non_blocking=pin)
+            handle.append((host_key, host_value))
+        if pin:
+            torch.cuda.current_stream(device).synchronize()
+        return handle
+
+    def swap_in(self, handle, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        device = self.key_cache[0].device
+        slots = self._block_slots(block_ids, device)
+        for (host_key, host_value), key, value in zip(handle, self.key_cache, self.value_cache):
+            if host_key.shape[0] != slots.shape[0]:
+                raise ValueError(f"swap_in: {host_key.shape[0]} swapped slots for {slots.shape[0]} slots")
+            key.index_copy_(0, slots, host_key.to(device, non_blocking=True))
+            value.index_copy_(0, slots, host_value.to(device, non_blocking=True))
+
+    def discard_swapped(self, handle) -> None:
+        handle.clear()

@@ -16,11 +16,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflightllm.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from inflightllm.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    HostSwapMixin,
+    SequenceSlice,
+)
 
 
-class TorchReferenceAttention(AttentionBackend):
-    """Paged KV cache in torch tensors; attention with torch SDPA, one sequence at a time."""
+class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
+    """Paged KV cache in torch tensors; attention with torch SDPA, one sequence at a time.
+    Swapped-out blocks go to a separate pool of CPU tensors (HostSwapMixin)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         self.num_heads = num_heads

@@ -74,6 +74,7 @@ class GpuModelRunner:
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(self.max_rows - 1, -1, -1))
         self.states: dict[str, Request] = {}
+        self.swapped: dict[str, object] = {}  # request id -> the attention backend's swap handle
 
         # Static device buffers (CUDA graphs replay against these addresses).
         def zeros(*shape, dtype=torch.int64):
@@ -320,6 +321,16 @@ class GpuModelRunner:
         place in the host arrays holds -1, and the device copies it from `last_sampled`
         (the previous step's samples, by row) into the input ids. Only sampled ids cross
         to the host, once per step, asynchronously."""
+        # Swaps first (preemption_mode: swap): a swapped-out request's blocks may be handed
+        # to another request in this very step, and this step's forward writes into them.
+        for request_id, block_ids in step.swap_out:
+            self.swapped[request_id] = self.attention.swap_out(block_ids)
+        for request_id, block_ids in step.swap_in:
+            self.attention.swap_in(self.swapped.pop(request_id), block_ids)
+        for request_id in step.finished_request_ids:
+            handle = self.swapped.pop(request_id, None)
+            if handle is not None:
+                self.attention.discard_swapped(handle)
         self._update_states(step)
         if not step.scheduled:
             return LaunchedStep(self, [], None, None)
@@ -371,21 +382,23 @@ class GpuModelRunner:
         event.record()
         self.token_ids[sample_rows, positions] = -1  # known once the step's result is read
         self.num_tokens[sample_rows] = positions + 1
-        return LaunchedStep(self, list(zip(request_ids, sample_rows.tolist(), positions.tolist())), host, event)
+        failed = {request_ids[index]: message for index, message in sampled.errors.items()}
+        return LaunchedStep(self, list(zip(request_ids, sample_rows.tolist(), positions.tolist())), host, event, failed)
 
 
 class LaunchedStep:
     """A step queued on the GPU; `result()` waits for its sampled tokens and records
     them in the runner's host state (unless the request left its row meanwhile)."""
 
-    def __init__(self, runner: GpuModelRunner, placed: list[tuple[str, int, int]], host, event):
+    def __init__(self, runner: GpuModelRunner, placed: list[tuple[str, int, int]], host, event, failed=None):
         self.runner = runner
+        self.failed = failed or {}  # request id -> why its sampling failed (it gets no token)
         self.placed = placed  # (request id, row, position of the new token)
         self.host = host
         self.event = event
 
     def result(self) -> SampledTokens:
-        result = SampledTokens()
+        result = SampledTokens(failed=dict(self.failed))
         if not self.placed:
             return result
         self.event.synchronize()

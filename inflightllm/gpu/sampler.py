@@ -12,7 +12,7 @@ model distribution. One device-to-host copy returns the ids (and log probs when 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class SampleResult:
     chosen: torch.Tensor | None = None  # [m] log prob of the chosen token
     top_values: torch.Tensor | None = None  # [m, k_max]
     top_indices: torch.Tensor | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # row index -> why its sampling failed
 
     def to_host(self, non_blocking: bool = False) -> SampleResult:
         """Copies to (pinned) host memory; with non_blocking, valid once the stream passes."""
@@ -84,7 +85,7 @@ class SampleResult:
             return out.copy_(tensor, non_blocking=True)
 
         return SampleResult(host(self.token_ids), self.wants, self.top_counts, host(self.chosen),
-                            host(self.top_values), host(self.top_indices))
+                            host(self.top_values), host(self.top_indices), self.errors)
 
     def lists(self):
         """(token ids, log probs or None, top ids or None, top log probs or None) as lists."""
@@ -143,16 +144,20 @@ class GpuSampler:
         p = self.params
         wants = p.wants_logprobs[rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
+        errors: dict[int, str] = {}
         for index in np.flatnonzero(p.special[rows]):
             count = None if output_counts is None else int(output_counts[index])
-            _adjust_row(logits[index], requests[index], count)
+            try:
+                _adjust_row(logits[index], requests[index], count)
+            except Exception as error:  # noqa: BLE001 - this request fails alone
+                errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
         greedy = p.greedy[rows]
         token_ids = torch.argmax(logits, dim=-1)
         if not greedy.all():
             token_ids = torch.where(
                 torch.from_numpy(greedy).to(self.device, non_blocking=True), token_ids, self._sample(logits, rows)
             )
-        result = SampleResult(token_ids=token_ids, wants=wants, top_counts=p.top_logprobs[rows])
+        result = SampleResult(token_ids=token_ids, wants=wants, top_counts=p.top_logprobs[rows], errors=errors)
         if raw_logprobs is not None:
             result.chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
             k_max = int(result.top_counts.max())

@@ -6,6 +6,7 @@ the same code serves CPU and GPU hosts whatever their NumPy.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ class EngineRequest:
     priority: int
     streaming: bool
     echo_prompt: bool  # non-streaming and not exclude_input_in_output: output starts with the prompt
+    timeout_ms: int = 0  # longest wait in the queue; 0 = the profile's default_timeout_microseconds
+    arrival_time: float | None = None  # monotonic time it reached the engine model (queue timeouts count from it)
 
 
 def _scalar(inputs: dict[str, torch.Tensor], name: str):
@@ -79,6 +82,8 @@ def parse_engine_request(inputs: dict[str, torch.Tensor]) -> EngineRequest:
         priority=int(_scalar(inputs, "priority")),
         streaming=streaming,
         echo_prompt=not streaming and not bool(_scalar(inputs, "exclude_input_in_output")),
+        timeout_ms=int(_scalar(inputs, "timeout_ms")),
+        arrival_time=time.monotonic(),
     )
 
 

@@ -57,6 +57,7 @@ class EngineLoop:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
+        self._poll_ring: deque[str] = deque()  # admitted request ids, polled for cancellation in turn
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._sender = ResponseSender(self)
 
@@ -85,11 +86,21 @@ class EngineLoop:
             self._wakeup.notify()
 
     def submit(self, request: EngineRequest, sink: ResponseSink) -> str:
-        """Queue a validated request; thread-safe. Returns its engine request id."""
+        """Queue a validated request; thread-safe. Returns its engine request id. Refused
+        at once (an error response) when the engine is stopping or its queue is full."""
         request_id = self.request_id(next(self._ids))
         with self._wakeup:
             if self._stopping:
                 sink.send_error("the engine is shutting down; request not accepted")
+                return request_id
+            limit = self.engine.config.max_queue_size
+            waiting = len(self._inbox) + self.engine.num_waiting  # a read of a length: safe across threads
+            if limit and waiting >= limit:
+                self.engine.count_rejected()
+                sink.send_error(
+                    f"the engine's queue is full: {waiting} requests are waiting (max_queue_size {limit}); "
+                    "try again later"
+                )
                 return request_id
             self._inbox.append((request_id, request, sink))
             self._wakeup.notify()
@@ -144,13 +155,21 @@ class EngineLoop:
     def _admit(self, arrivals) -> None:
         for request_id, request, sink in arrivals:
             try:
+                cancelled = sink.is_cancelled()
+            except Exception:
+                cancelled = True
+            if cancelled:  # cancelled before it reached the engine: it never runs
+                self._safe_error(sink, "the request was cancelled before it started")
+                continue
+            try:
                 self.engine.add_request(
                     request_id,
                     request.prompt_token_ids,
                     request.params,
                     priority=request.priority,
                     streaming=request.streaming,
-                    arrival_time=time.monotonic(),
+                    arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
+                    timeout_s=request.timeout_ms / 1e3 if request.timeout_ms else None,
                 )
             except InvalidRequestError as error:
                 self._safe_error(sink, str(error))
@@ -160,11 +179,27 @@ class EngineLoop:
                 self._safe_error(sink, f"engine could not accept the request: {type(error).__name__}: {error}")
                 continue
             self._active[request_id] = (request, sink)
+            self._poll_ring.append(request_id)
+
+    # Waiting requests whose sinks are polled per step (round robin); running ones are
+    # polled every step. Bounds the per-step cost of `is_cancelled()` (an IPC round trip
+    # in Triton) whatever the queue's depth.
+    WAITING_POLLS_PER_STEP = 64
 
     def _check_cancellations(self) -> None:
-        for request_id, (_, sink) in list(self._active.items()):
+        polled = [r.request_id for r in self.engine.scheduler.running]
+        ring = self._poll_ring  # every admitted request, in turn; finished ones drop out
+        for _ in range(min(self.WAITING_POLLS_PER_STEP, len(ring))):
+            request_id = ring.popleft()
+            if request_id in self._active:
+                ring.append(request_id)
+                polled.append(request_id)
+        for request_id in polled:
+            entry = self._active.get(request_id)
+            if entry is None:
+                continue
             try:
-                cancelled = sink.is_cancelled()
+                cancelled = entry[1].is_cancelled()
             except Exception:
                 cancelled = True
             if cancelled:
@@ -178,6 +213,13 @@ class EngineLoop:
             if entry is None:
                 continue
             request, sink = entry
+            if output.error is not None:  # this request failed alone; the others go on
+                del self._active[output.request_id]
+                if batch:
+                    self._sender.put(batch)
+                    batch = []
+                self._sender.put_error(sink, output.error)
+                continue
             batch.append((output, request, sink))
             if output.finished:
                 del self._active[output.request_id]

@@ -14,14 +14,13 @@ Every error message names the input (`input 'temperature'` for a tensor,
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from inflightllm import request_rules as rules
 from inflightllm import token_sequences as packing
-from inflightllm.sampling_params import MAX_TOP_LOGPROBS
 
 # sampling_parameters keys, in the order docs/INTERFACE.md lists them.
 SAMPLING_PARAMETER_KEYS = (
@@ -82,6 +81,7 @@ ENGINE_REQUEST_DTYPES: dict[str, type] = {
     "num_top_logprobs": np.int32,
     "priority": np.int32,
     "exclude_input_in_output": np.bool_,
+    "timeout_ms": np.int32,
 }
 
 
@@ -314,12 +314,12 @@ class _Resolver:
         return self.tensor_or_alias(name)[0] is not None or (json_key is not None and json_key in self.params)
 
 
-def _check_float(value, label: str, low: float, high: float, allowed: str, low_open: bool = False) -> float:
-    number = float(value)
-    below = number <= low if low_open else number < low
-    if math.isnan(number) or below or number > high:
-        raise _out_of_range(label, value, allowed)
-    return number
+def _check_float(value, label: str, name: str) -> float:
+    """A sampling setting checked against the shared rule (inflightllm.request_rules)."""
+    rule = rules.SAMPLING_RANGES[name]
+    if not rule.contains(value):
+        raise _out_of_range(label, value, rule.allowed)
+    return float(value)
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -465,7 +465,7 @@ def build_engine_request(
     allowed_length = f"1 to {limits.max_input_length} tokens (the profile's max_input_length)"
     if not input_ids:
         raise RequestError(f"input '{prompt_input}': the prompt is empty (0 tokens); allowed: {allowed_length}")
-    if len(input_ids) > limits.max_input_length:
+    if not rules.prompt_length_range(limits.max_input_length).contains(len(input_ids)):
         raise RequestError(
             f"input '{prompt_input}': the prompt has {len(input_ids)} tokens; allowed: {allowed_length}"
         )
@@ -477,11 +477,11 @@ def build_engine_request(
         raise RequestError(
             f"input 'max_tokens' is missing; allowed: {max_allowed}, as the tensor or as sampling_parameters key 'max_tokens'"
         )
-    if not 1 <= int(value) <= limits.max_output_len:
+    if not rules.max_tokens_range(limits.max_output_len).contains(int(value)):
         raise _out_of_range(label, value, max_allowed)
     max_tokens = int(value)
-    if len(input_ids) + max_tokens > limits.max_model_len:
-        room = max(0, limits.max_model_len - len(input_ids))
+    room = rules.room_for_output(len(input_ids), max_tokens, limits.max_model_len)
+    if room is not None:
         raise RequestError(
             f"{label}: the prompt's {len(input_ids)} tokens + max_tokens {max_tokens} = "
             f"{len(input_ids) + max_tokens} is more than max_model_len {limits.max_model_len}; "
@@ -489,39 +489,38 @@ def build_engine_request(
         )
     value, label = resolve.get("min_tokens", "min_tokens")
     min_tokens = 0 if value is None else int(value)
-    if not 0 <= min_tokens <= max_tokens:
-        raise _out_of_range(label, value, f"0 to max_tokens ({max_tokens})")
+    if not rules.min_tokens_range(max_tokens).contains(min_tokens):
+        raise _out_of_range(label, value, rules.min_tokens_range(max_tokens).allowed)
 
     # Sampling.
     value, label = resolve.get("top_k", "top_k")
     top_k = 0
     if value is not None:
         top_k = int(value)
-        if label.startswith("input") and top_k < 0:
-            raise _out_of_range(label, value, "0 (off) or more")
+        if label.startswith("input") and not rules.TOP_K.contains(top_k):
+            raise _out_of_range(label, value, rules.TOP_K.allowed)
         if top_k < -1:
             raise _out_of_range(label, value, "-1 or 0 (off), or more")
         top_k = max(top_k, 0)  # vLLM's -1 means off
     value, label = resolve.get("top_p", "top_p")
-    top_p = 1.0 if value is None else _check_float(value, label, 0.0, 1.0, "greater than 0, up to 1 (1 = off)", low_open=True)
+    top_p = 1.0 if value is None else _check_float(value, label, "top_p")
     value, label = resolve.get("min_p", "min_p")
-    min_p = 0.0 if value is None else _check_float(value, label, 0.0, 1.0, "0 to 1 (0 = off)")
+    min_p = 0.0 if value is None else _check_float(value, label, "min_p")
     value, label = resolve.get("temperature", "temperature")
     if value is not None:
-        temperature = _check_float(value, label, 0.0, 100.0, "0 to 100 (0 = greedy)")
+        temperature = _check_float(value, label, "temperature")
     elif any(resolve.given(name, name) for name in ("top_k", "top_p", "min_p")):
         temperature = 1.0  # asking for top-k/top-p/min-p sampling means sampling
     else:
         temperature = 0.0  # greedy
     value, label = resolve.get("repetition_penalty", "repetition_penalty")
     repetition_penalty = (
-        1.0 if value is None
-        else _check_float(value, label, 0.0, 100.0, "greater than 0, up to 100 (1 = off)", low_open=True)
+        1.0 if value is None else _check_float(value, label, "repetition_penalty")
     )
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value, label = resolve.get(name, name)
-        penalties[name] = 0.0 if value is None else _check_float(value, label, -2.0, 2.0, "-2 to 2")
+        penalties[name] = 0.0 if value is None else _check_float(value, label, name)
 
     value, label = resolve.get("seed", "seed")
     seed = -1
@@ -534,7 +533,7 @@ def build_engine_request(
     end_id = -1
     if value is not None:
         end_id = int(value)
-        if not 0 <= end_id < limits.vocab_size:
+        if not rules.token_id_range(limits.vocab_size).contains(end_id):
             raise _out_of_range(label, value, vocab_allowed)
     ignore_eos = bool(params.get("ignore_eos", False))
 
@@ -544,7 +543,7 @@ def build_engine_request(
         stop_words = _words_from_json("stop", params["stop"]) if "stop" in params else []
     stop_sequences = word_token_sequences(tokenizer, stop_words)
     for token in params.get("stop_token_ids", []):
-        if not 0 <= token < limits.vocab_size:
+        if not rules.token_id_range(limits.vocab_size).contains(token):
             raise _out_of_range(_json_label("stop_token_ids"), token, vocab_allowed)
         if (token,) not in stop_sequences:
             stop_sequences.append((token,))
@@ -558,8 +557,8 @@ def build_engine_request(
     num_top_logprobs = 0
     if value is not None:
         num_top_logprobs = int(value)
-        if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
-            raise _out_of_range(label, value, f"0 to {MAX_TOP_LOGPROBS}")
+        if not rules.TOP_LOGPROBS.contains(num_top_logprobs):
+            raise _out_of_range(label, value, rules.TOP_LOGPROBS.allowed)
     return_log_probs_tensor = resolve.tensor("return_log_probs")
     if return_log_probs_tensor is not None:
         return_log_probs = bool(return_log_probs_tensor)
@@ -577,12 +576,19 @@ def build_engine_request(
     priority = 0
     if value is not None:
         priority = int(value)
-        if not 0 <= priority < limits.priority_levels:
+        if not rules.priority_range(limits.priority_levels).contains(priority):
             raise _out_of_range(
                 label,
                 value,
-                f"0 to {limits.priority_levels - 1} (the profile's priority_levels is {limits.priority_levels}; larger is scheduled first)",
+                f"{rules.priority_range(limits.priority_levels).allowed} (the profile's priority_levels is {limits.priority_levels}; larger is scheduled first)",
             )
+
+    value, label = resolve.get("timeout_ms")
+    timeout_ms = 0
+    if value is not None:
+        timeout_ms = int(value)
+        if not rules.TIMEOUT_MS.contains(timeout_ms):
+            raise _out_of_range(label, value, rules.TIMEOUT_MS.allowed)
 
     streaming = resolve.tensor("stream")
     exclude_input = resolve.tensor("exclude_input_in_output")
@@ -605,6 +611,7 @@ def build_engine_request(
         "num_top_logprobs": num_top_logprobs,
         "priority": priority,
         "exclude_input_in_output": False if exclude_input is None else bool(exclude_input),
+        "timeout_ms": timeout_ms,
     }
     request = {"input_ids": np.array([input_ids], dtype=np.int32)}  # [1, num_prompt_tokens]
     for name, scalar in scalars.items():

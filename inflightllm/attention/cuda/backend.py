@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflightllm.attention.base import AttentionBackend, SequenceSlice
+from inflightllm.attention.base import AttentionBackend, HostSwapMixin, SequenceSlice
 from inflightllm.attention.cuda import ops
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,14 @@ PREFILL_DEFAULT = "flash"
 # Which flash-decoding kernel forward uses ("v1": shared-memory logits per 256-token chunk;
 # "v2": register online softmax, K and V loads together, no barriers in the token loop).
 DECODE_DEFAULT = "v2"
+
+
+class _FlatCaches(HostSwapMixin):
+    """The caches seen as per-layer slot tensors [num_blocks * block_size, kvh, d] (views),
+    for the host swap copies."""
+
+    def __init__(self, key_cache, value_cache, block_size):
+        self.key_cache, self.value_cache, self.block_size = key_cache, value_cache, block_size
 
 
 @dataclass
@@ -133,6 +141,24 @@ class CudaPagedAttention(AttentionBackend):
         self.dtype = dtype
         self._bs_shift = block_size.bit_length() - 1
         self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+
+    # ------------------------------------------------------------------ swap
+    def _flat_caches(self) -> _FlatCaches:
+        return _FlatCaches(
+            [k.view(-1, *k.shape[2:]) for k in self.key_cache],
+            [v.view(-1, *v.shape[2:]) for v in self.value_cache],
+            self.block_size,
+        )
+
+    def swap_out(self, block_ids: list[int]):
+        """Copy the blocks' K/V of every layer to pinned host memory (preemption_mode: swap)."""
+        return self._flat_caches().swap_out(block_ids)
+
+    def swap_in(self, handle, block_ids: list[int]) -> None:
+        self._flat_caches().swap_in(handle, block_ids)
+
+    def discard_swapped(self, handle) -> None:
+        handle.clear()
 
     # ------------------------------------------------------------------ metadata
     def build_metadata(self, sequences: list[SequenceSlice], device) -> CudaAttentionMetadata:
