@@ -50,7 +50,8 @@ SOURCE_KEYS = {
     "random": ("shape", "seed", "tokenizer"),
 }
 SOURCE_REQUIRED_KEYS = {"gguf_package": ("package", "file"), "hf_folder": ("path",), "random": ("shape",)}
-DEVICE_KEYS = ("kind", "gpu_ids", "tensor_parallel_size")
+DEVICE_KEYS = ("kind", "gpu_ids", "tensor_parallel_size", "data_parallel_size")
+DATA_PARALLEL_MAX = 64
 INSTANCE_KEYS = ("preprocessing", "postprocessing")
 # postprocessing runs one instance on Triton's default scheduler (templates/postprocessing.pbtxt.j2).
 POSTPROCESSING_INSTANCES_PROBLEM = (
@@ -62,7 +63,7 @@ DYNAMIC_BATCHING_KEYS = ("preferred_batch_size", "max_queue_delay_microseconds")
 # EngineConfig fields that do not come from `engine:` (device ones come from `device:`,
 # num_kv_blocks is for tests only, the queue policy is nested under `queue_policy:`).
 ENGINE_FIELDS_NOT_IN_SECTION = (
-    "device", "gpu_ids", "tensor_parallel_size", "num_kv_blocks", "fault_injection"
+    "device", "gpu_ids", "tensor_parallel_size", "data_parallel_size", "num_kv_blocks", "fault_injection"
 ) + QUEUE_POLICY_KEYS
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -88,7 +89,7 @@ class Profile:
     name: str
     description: str
     model: ModelSpec
-    engine: EngineConfig  # device, gpu_ids and tensor_parallel_size come from `device:`
+    engine: EngineConfig  # device, gpu_ids, tensor_parallel_size, data_parallel_size come from `device:`
     instances_preprocessing: int
     instances_postprocessing: int
     preferred_batch_size: tuple[int, ...]
@@ -252,7 +253,7 @@ def validate_profile_dict(data: dict, source_path) -> Profile:
     description = reader.string(data.get("description", ""), "description")
 
     model = _read_model(reader, data)
-    kind, gpu_ids, tensor_parallel_size = _read_device(reader, data)
+    kind, gpu_ids, tensor_parallel_size, data_parallel_size = _read_device(reader, data)
     instances = reader.section(data, "instances", INSTANCE_KEYS)
     instances_preprocessing = reader.integer(
         instances.get("preprocessing", DEFAULT_INSTANCES), "instances.preprocessing", 1, 64
@@ -260,7 +261,7 @@ def validate_profile_dict(data: dict, source_path) -> Profile:
     instances_postprocessing = reader.integer(instances.get("postprocessing", 1), "instances.postprocessing")
     if instances_postprocessing != 1:
         reader.fail("instances.postprocessing", f"{instances_postprocessing} is not allowed; {POSTPROCESSING_INSTANCES_PROBLEM}")
-    engine = _read_engine(reader, data, kind, gpu_ids, tensor_parallel_size)
+    engine = _read_engine(reader, data, kind, gpu_ids, tensor_parallel_size, data_parallel_size)
     preferred_batch_size, max_queue_delay = _read_dynamic_batching(reader, data)
 
     dims = _model_dims(reader, model)
@@ -321,17 +322,22 @@ def _read_model(reader: _Reader, data: dict) -> ModelSpec:
     return ModelSpec(**values)
 
 
-def _read_device(reader: _Reader, data: dict) -> tuple[str, tuple[int, ...], int]:
+def _read_device(reader: _Reader, data: dict) -> tuple[str, tuple[int, ...], int, int]:
     section = reader.section(data, "device", DEVICE_KEYS)
     kind = reader.choice(reader.string(section.get("kind", "cpu"), "device.kind"), "device.kind", DEVICE_KINDS)
     tensor_parallel_size = reader.integer(section.get("tensor_parallel_size", 1), "device.tensor_parallel_size")
     reader.choice(tensor_parallel_size, "device.tensor_parallel_size", TENSOR_PARALLEL_SIZES)
+    data_parallel_size = reader.integer(
+        section.get("data_parallel_size", 1), "device.data_parallel_size", 1, DATA_PARALLEL_MAX
+    )
     gpu_ids = reader.int_list(section.get("gpu_ids", []), "device.gpu_ids", 0)
     if kind == "cpu":
-        if tensor_parallel_size != 1:
+        # Tensor parallel on CPU runs over gloo (CI's exactness and failure tests).
+        if data_parallel_size != 1:
             reader.fail(
-                "device.tensor_parallel_size",
-                f"{tensor_parallel_size} is not allowed with device.kind 'cpu'; cpu requires 1",
+                "device.data_parallel_size",
+                f"{data_parallel_size} is not allowed with device.kind 'cpu'; data parallelism places one "
+                "engine instance per GPU (group); cpu requires 1",
             )
         if gpu_ids:
             reader.fail("device.gpu_ids", f"must be empty with device.kind 'cpu', got {list(gpu_ids)}")
@@ -342,17 +348,30 @@ def _read_device(reader: _Reader, data: dict) -> tuple[str, tuple[int, ...], int
                 "device.gpu_ids",
                 f"{list(gpu_ids)} repeats GPU id {repeated[0]}; the ids must be distinct",
             )
-        if len(gpu_ids) != tensor_parallel_size:
+        if len(gpu_ids) != tensor_parallel_size * data_parallel_size:
+            if data_parallel_size == 1:
+                reader.fail(
+                    "device.gpu_ids",
+                    f"{list(gpu_ids)} has {len(gpu_ids)} GPU ids but device.tensor_parallel_size is "
+                    f"{tensor_parallel_size}; give one GPU id per tensor-parallel rank",
+                )
             reader.fail(
                 "device.gpu_ids",
-                f"{list(gpu_ids)} has {len(gpu_ids)} GPU ids but device.tensor_parallel_size is "
-                f"{tensor_parallel_size}; give one GPU id per tensor-parallel rank",
+                f"{list(gpu_ids)} has {len(gpu_ids)} GPU ids but device.tensor_parallel_size x "
+                f"device.data_parallel_size is {tensor_parallel_size} x {data_parallel_size} = "
+                f"{tensor_parallel_size * data_parallel_size}; give one GPU id per rank of every instance "
+                "(instance i uses ids i*tp .. i*tp+tp-1)",
             )
-    return kind, gpu_ids, tensor_parallel_size
+    return kind, gpu_ids, tensor_parallel_size, data_parallel_size
 
 
 def _read_engine(
-    reader: _Reader, data: dict, kind: str, gpu_ids: tuple[int, ...], tensor_parallel_size: int
+    reader: _Reader,
+    data: dict,
+    kind: str,
+    gpu_ids: tuple[int, ...],
+    tensor_parallel_size: int,
+    data_parallel_size: int = 1,
 ) -> EngineConfig:
     engine_keys = tuple(
         field_.name for field_ in fields(EngineConfig) if field_.name not in ENGINE_FIELDS_NOT_IN_SECTION
@@ -387,7 +406,15 @@ def _read_engine(
             PREEMPTION_MODES,
         ),
         "swap_space_blocks": reader.integer(get("swap_space_blocks"), "engine.swap_space_blocks", 0),
+        # On by default on GPUs, where the host work between steps would leave the GPU idle.
+        "async_scheduling": reader.boolean(section.get("async_scheduling", kind == "gpu"), "engine.async_scheduling"),
+        "step_timeout_s": reader.number(get("step_timeout_s"), "engine.step_timeout_s"),
     }
+    if not 0.0 < values["step_timeout_s"] <= 86400.0:
+        reader.fail(
+            "engine.step_timeout_s",
+            f"{section.get('step_timeout_s')} is out of range; allowed: greater than 0 and at most 86400",
+        )
     utilization = values["gpu_memory_utilization"]
     if not 0.0 < utilization < 1.0:
         reader.fail(
@@ -408,7 +435,11 @@ def _read_engine(
             queue.get(key, getattr(_ENGINE_DEFAULTS, key)), f"engine.queue_policy.{key}", 0
         )
     return EngineConfig(
-        **values, device=kind, gpu_ids=gpu_ids, tensor_parallel_size=tensor_parallel_size
+        **values,
+        device=kind,
+        gpu_ids=gpu_ids,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
     )
 
 

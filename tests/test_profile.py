@@ -18,14 +18,15 @@ from inflightllm.profile import (
     REPO_ROOT,
     Profile,
     ProfileError,
+    existing_profiles,
     load_profile,
     validate_profile_dict,
 )
 
 ENGINE_KEYS = (
-    "batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, kv_cache_bytes, "
-    "max_batch_size, max_input_length, max_num_tokens, max_output_len, priority_levels, queue_policy, "
-    "step_timeout_s, stream_interval"
+    "async_scheduling, batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, "
+    "kv_cache_bytes, max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, "
+    "priority_levels, queue_policy, step_timeout_s, stream_interval, swap_space_blocks"
 )
 
 # A small CPU profile with a tiny random model (no files read): 2 layers, 4 heads,
@@ -450,7 +451,9 @@ def test_missing_file(tmp_path):
     path = tmp_path / "absent.yaml"
     with pytest.raises(ProfileError) as info:
         load_profile(path)
-    assert str(info.value) == f"{path}: cannot read the profile: No such file or directory"
+    existing = ", ".join(existing_profiles())
+    assert "profiles/smollm2-cpu.yaml" in existing
+    assert str(info.value) == f"{path}: cannot read the profile: No such file or directory; profiles that exist: {existing}"
 
 
 # --- model sources that touch files --------------------------------------------------------

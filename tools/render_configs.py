@@ -9,6 +9,23 @@ docs/INTERFACE.md, which is authoritative. For preprocessing, engine and postpro
 Usage:
   python tools/render_configs.py --profile profiles/smollm2-cpu.yaml --out model_repo
   python tools/render_configs.py --profile profiles/smollm2-cpu.yaml --out model_repo --check
+  python tools/render_configs.py --profile P --out DIR --tokenizer-env /path/to/numpy1-venv
+
+`--tokenizer-env PATH` (GPU hosts whose Python has NumPy 2) adds the Python backend's
+`EXECUTION_ENV_PATH` parameter, set to PATH, to `preprocessing` and `postprocessing`:
+the models that read BYTES tensors then run in that NumPy < 2 environment
+(docs/RUNTIME-NOTES.md). The `engine` model never gets it (it moves tensors by DLPack
+and needs the host's NumPy 2 and CuPy). Without the option nothing changes, so
+`model_repo/` stays the render of the default profile.
+
+Before writing, the profile's `device.gpu_ids` are checked against the GPUs of this
+machine (`nvidia-smi -L`, else torch): an id that does not exist is refused, naming the
+key (exit 2). On a machine with no GPU visible the check is skipped with a note, and
+`--no-device-check` skips it when rendering for another machine.
+
+`device.data_parallel_size: D` renders D engine instances, each `KIND_GPU` on the first
+GPU of its tensor-parallel group (`gpu_ids[i*tp : (i+1)*tp]`); the engine model reads
+`model_instance_device_id` and places itself on that group (inflightllm.parallel.placement).
 
 `--check` renders into memory and compares with the folder: exit 0 when identical,
 1 with a unified diff per differing file (and the missing/extra files) otherwise.
@@ -191,11 +208,78 @@ def _sorted_parameters(params: dict[str, str]) -> list[tuple[str, str]]:
     return sorted(params.items())
 
 
-def template_context(profile: Profile) -> dict:
-    """Everything the templates use."""
-    model_params = profile.model.to_parameters()
+# The Python backend's parameter naming the environment a model's stub runs in.
+EXECUTION_ENV_PARAMETER = "EXECUTION_ENV_PATH"
+# The models that get it with --tokenizer-env: the ones that read BYTES tensors.
+TOKENIZER_MODELS = ("preprocessing", "postprocessing")
+
+
+def visible_gpu_count() -> int | None:
+    """GPUs on this machine (`nvidia-smi -L`, else torch.cuda.device_count()), or None
+    when no GPU tooling answers (a CPU-only machine)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            if listing.returncode == 0:
+                return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable torch: no answer
+        pass
+    return None
+
+
+def check_devices(profile: Profile, gpu_count: int | None) -> str | None:
+    """Refuse a `device.gpu_ids` entry this machine does not have (ProfileError naming the
+    key); returns a note when the check cannot run (no GPU visible), else None."""
     engine = profile.engine
-    preprocessing_params = dict(model_params)
+    if engine.device != "gpu":
+        return None
+    if gpu_count is None or gpu_count == 0:
+        return (
+            f"note: no GPU is visible on this machine; device.gpu_ids {list(engine.gpu_ids)} "
+            "not checked against devices"
+        )
+    for index, gpu in enumerate(engine.gpu_ids):
+        if gpu >= gpu_count:
+            raise ProfileError(
+                str(profile.source_path),
+                f"device.gpu_ids[{index}]",
+                f"GPU {gpu} does not exist on this machine: it has {gpu_count} GPU(s), ids 0 .. {gpu_count - 1} "
+                "(use --no-device-check to render for another machine)",
+            )
+    return None
+
+
+def engine_instances(profile: Profile) -> list[dict]:
+    """The engine's instance groups: one KIND_CPU instance (it places itself on gpu_ids),
+    or with data parallelism one KIND_GPU instance per tensor-parallel group, on the
+    group's first GPU."""
+    engine = profile.engine
+    if engine.data_parallel_size == 1:
+        return [{"kind": "KIND_CPU", "gpus": []}]
+    tp = engine.tensor_parallel_size
+    return [
+        {"kind": "KIND_GPU", "gpus": [engine.gpu_ids[i * tp]]} for i in range(engine.data_parallel_size)
+    ]
+
+
+def template_context(profile: Profile, tokenizer_env: str | None = None) -> dict:
+    """Everything the templates use. `tokenizer_env`: see --tokenizer-env."""
+    model_params = profile.model.to_parameters()
+    tokenizer_params = dict(model_params)
+    if tokenizer_env:
+        tokenizer_params[EXECUTION_ENV_PARAMETER] = str(tokenizer_env)
+    engine = profile.engine
+    preprocessing_params = dict(tokenizer_params)
     preprocessing_params.update(
         max_input_length=str(engine.max_input_length),
         max_output_len=str(engine.max_output_len),
@@ -226,7 +310,8 @@ def template_context(profile: Profile) -> dict:
         "instances_preprocessing": profile.instances_preprocessing,
         "preprocessing_parameters": _sorted_parameters(preprocessing_params),
         "engine_parameters": _sorted_parameters(engine_params),
-        "postprocessing_parameters": _sorted_parameters(model_params),
+        "engine_instances": engine_instances(profile),
+        "postprocessing_parameters": _sorted_parameters(tokenizer_params),
     }
 
 
@@ -246,11 +331,11 @@ def _pbtxt_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def render_files(profile: Profile) -> dict[str, bytes]:
+def render_files(profile: Profile, tokenizer_env: str | None = None) -> dict[str, bytes]:
     """The rendered repository as {relative posix path: content}, nothing written."""
     environment = _environment()
     environment.filters["pbtxt_string"] = _pbtxt_string
-    context = template_context(profile)
+    context = template_context(profile, tokenizer_env)
     files: dict[str, bytes] = {}
     for model in MODELS:
         text = environment.get_template(f"{model}.pbtxt.j2").render(**context)
@@ -277,11 +362,11 @@ def _existing_files(out_dir: Path) -> set[str]:
     return found
 
 
-def render(profile: Profile, out_dir) -> list[str]:
+def render(profile: Profile, out_dir, tokenizer_env: str | None = None) -> list[str]:
     """Write the rendered repository into out_dir; returns the paths written or removed
     (files whose content was already right are left untouched)."""
     out_dir = Path(out_dir)
-    files = render_files(profile)
+    files = render_files(profile, tokenizer_env)
     changed: list[str] = []
     for model in MODELS:
         (out_dir / model / "1").mkdir(parents=True, exist_ok=True)
@@ -311,11 +396,11 @@ def _remove_empty_stale_dirs(out_dir: Path) -> None:
                 path.rmdir()
 
 
-def check(profile: Profile, out_dir) -> list[str]:
+def check(profile: Profile, out_dir, tokenizer_env: str | None = None) -> list[str]:
     """Compare out_dir with a fresh render; returns one description per drifted file
     (a unified diff for a changed file), empty when they match."""
     out_dir = Path(out_dir)
-    files = render_files(profile)
+    files = render_files(profile, tokenizer_env)
     drift: list[str] = []
     for relative, content in files.items():
         target = out_dir / relative
@@ -367,14 +452,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="profile YAML (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "model_repo", help="output folder (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="compare --out with a fresh render; write nothing")
+    parser.add_argument(
+        "--no-device-check",
+        action="store_true",
+        help="do not check device.gpu_ids against this machine's GPUs (rendering for another machine)",
+    )
+    parser.add_argument(
+        "--tokenizer-env",
+        metavar="PATH",
+        help="EXECUTION_ENV_PATH of preprocessing and postprocessing: a NumPy < 2 venv (GPU hosts with NumPy 2)",
+    )
     args = parser.parse_args(argv)
+    if args.tokenizer_env is not None and not args.tokenizer_env.strip():
+        print("--tokenizer-env: must not be empty (leave the option out for no environment)", file=sys.stderr)
+        return 2
     try:
         profile = load_profile(args.profile)
+        if not args.no_device_check and not args.check:
+            note = check_devices(profile, visible_gpu_count())
+            if note:
+                print(note, file=sys.stderr)
     except ProfileError as error:
         print(error, file=sys.stderr)
         return 2
     if args.check:
-        drift = check(profile, args.out)
+        drift = check(profile, args.out, args.tokenizer_env)
         if drift:
             for item in drift:
                 print(item)
@@ -383,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{args.out}: up to date with {args.profile}")
         return 0
-    changed = render(profile, args.out)
-    total = len(render_files(profile))
+    changed = render(profile, args.out, args.tokenizer_env)
+    total = len(render_files(profile, args.tokenizer_env))
     print(f"rendered {args.profile} into {args.out}: {total} files, {len(changed)} written or removed")
     return 0
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVER_DIR = REPO_ROOT / "build" / "tritonserver"
+NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _copy_output(pipe, log_path: Path, echo: bool) -> None:
@@ -68,6 +69,9 @@ def server_environment(server_dir: Path = DEFAULT_SERVER_DIR, base: dict | None 
     # Tokenizers' thread pool does not survive the stub's fork model well; the models
     # run one tokenizer call at a time anyway.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # NVLink multicast (NVLS) stays off for every NCCL user under the server (the
+    # tensor-parallel engine and its workers): it can put shared GPUs out of service.
+    env.update(NVLS_OFF_ENV)
     return env
 
 

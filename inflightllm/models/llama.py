@@ -148,6 +148,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Tensor parallel (inflightllm.parallel.shard): this rank's heads only, o_proj row-parallel.
+    tp = None
+
     def __init__(self, arch: LlamaArch, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
@@ -168,10 +171,22 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = backend.forward(self.layer_index, q, k, v, metadata)  # [num_tokens, heads, head_dim]
+        if self.tp is not None:
+            return _row_parallel(self.o_proj, out.reshape(num_tokens, self.num_heads * self.head_dim), self.tp)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
+def _row_parallel(linear: nn.Linear, x: torch.Tensor, tp) -> torch.Tensor:
+    """A row-parallel linear: this rank's partial product, summed over the ranks, then
+    the bias once."""
+    out = tp.all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
 class MLP(nn.Module):
+    # Tensor parallel: gate/up column-parallel (this rank's columns), down row-parallel.
+    tp = None
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
@@ -179,6 +194,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, hidden):
+        if self.tp is not None:
+            return _row_parallel(self.down_proj, F.silu(self.gate_proj(hidden)) * self.up_proj(hidden), self.tp)
         return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
@@ -212,6 +229,11 @@ class LlamaForCausalLM(nn.Module):
     """Packed-batch causal LM: `forward` gives hidden states, `compute_logits` the
     logits of selected positions only."""
 
+    # Tensor parallel: vocab-parallel embedding and LM head (rows vocab_start:vocab_end).
+    tp = None
+    vocab_start = 0
+    vocab_end = 0
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.arch = arch
@@ -223,7 +245,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, backend: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        hidden = self.model.embed_tokens(input_ids)
+        if self.tp is not None:
+            hidden = self._vocab_parallel_embedding(input_ids)
+        else:
+            hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(metadata.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, backend, metadata)
@@ -232,4 +257,18 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        if self.tp is not None:
+            local = self.lm_head(hidden)  # [n, this rank's vocab rows], padded to an equal share
+            per_rank = -(-self.arch.vocab_size // self.tp.world_size)
+            if local.shape[1] < per_rank:
+                local = F.pad(local, (0, per_rank - local.shape[1]), value=float("-inf"))
+            return self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
         return self.lm_head(hidden).float()
+
+    def _vocab_parallel_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's vocab range, zeros elsewhere, summed over the ranks."""
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(inside, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        hidden = F.embedding(local_ids, self.model.embed_tokens.weight)
+        hidden = hidden * inside.unsqueeze(1).to(hidden.dtype)
+        return self.tp.all_reduce(hidden)

@@ -24,6 +24,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     device: torch.device
+    spec: ModelSpec | None = None  # what was loaded (tensor-parallel workers load it again)
 
 
 def eos_token_ids(folder: Path, config: dict) -> frozenset[int]:
@@ -102,4 +103,5 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         eos_token_ids=eos_token_ids(folder, config),
         dtype=dtype,
         device=device,
+        spec=spec,
     )

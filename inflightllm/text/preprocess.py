@@ -14,6 +14,7 @@ Every error message names the input (`input 'temperature'` for a tensor,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 

@@ -19,6 +19,7 @@ from inflightllm.config import EngineConfig
 from inflightllm.engine import Engine
 from inflightllm.metrics import EngineMetrics
 from inflightllm.model_source import ModelSpec
+from inflightllm.parallel.placement import PlacementMetrics, instance_config, where_it_runs
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
 from inflightllm.serving.engine_loop import EngineLoop
@@ -49,12 +50,28 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
-        engine = Engine(ModelSpec.from_parameters(params), EngineConfig.from_parameters(params))
+        # Data parallel: a KIND_GPU instance takes its own group of gpu_ids.
+        config = instance_config(EngineConfig.from_parameters(params), args)
+        engine = Engine(ModelSpec.from_parameters(params), config)
+        self.runner = engine.runner
+        place = where_it_runs(engine)  # raises if the weights are not on this instance's GPU
+        logger.info("engine instance %s runs on %s", args.get("model_instance_name", ""), place)
+        self.placement = PlacementMetrics(
+            pb_utils, args["model_name"], args.get("model_instance_name", ""), place.get("device", "cpu")
+        )
         self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"])
-        self.loop = EngineLoop(engine, on_step=self.metrics.update).start()
+        self.loop = EngineLoop(engine, on_step=self._on_step).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()
         logger.info("engine ready: %d KV blocks of %d tokens", stats.num_blocks_total, engine.config.block_size)
+
+    def _on_step(self, stats, outputs):
+        self.metrics.update(stats, outputs)
+        self.placement.ready.set(1 if self.is_ready() else 0)
+
+    def is_ready(self):
+        """False once a tensor-parallel rank failed (Triton versions that ask the model)."""
+        return getattr(self.runner, "healthy", True)
 
     def execute(self, requests):
         for request in requests:
@@ -63,6 +80,10 @@ class TritonPythonModel:
             if cancel is not None:  # a control request from postprocessing: the client cancelled
                 self.loop.cancel(int(torch.from_dlpack(cancel.to_dlpack()).reshape(-1)[0]))
                 sink.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            if not self.is_ready():  # a tensor-parallel rank failed: refuse at once, clearly
+                self.placement.ready.set(0)
+                sink.send_error(f"engine not ready: {getattr(self.runner, 'failure', None) or 'shutting down'}")
                 continue
             try:
                 inputs = {}
@@ -80,3 +101,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:  # tensor parallel: the workers never outlive the model
+            shutdown()

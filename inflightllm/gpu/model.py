@@ -1,0 +1,315 @@
+"""The Llama family on the GPU: fused weights, fused layer kernels, a paged-attention backend.
+
+q/k/v are one projection and gate/up one, fused at load time; RMSNorm (+ residual add),
+RoPE and SiLU·mul are CuPy kernels (`ops`). Weights are created on the GPU in their
+final dtype and filled in place: from safetensors tensor by tensor, or with seeded
+random values (no host copy, no float32 copy). `hf_state_dict()` gives Hugging Face
+named views of the same memory, so `transformers` can be loaded with identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from inflightllm.gpu import ops
+from inflightllm.model_source import ModelSpec, prepare
+from inflightllm.models.llama import LlamaArch, rope_inverse_frequencies
+from inflightllm.models.loader import TORCH_DTYPES, LoadedModel, eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+class GpuLlama:
+    """Packed-batch causal LM on one GPU: `forward` gives final hidden states,
+    `compute_logits` the float32 logits of selected rows.
+
+    With `tp` (an inflightllm.parallel TensorParallelGroup) it holds one rank's share:
+    its attention heads and KV heads (q/k/v column-parallel), its slice of the
+    intermediate size (gate/up column-parallel), o and down row-parallel (all-reduced,
+    biases added on rank 0 only), and the vocab rows of its range (embedding masked and
+    all-reduced, LM head logits all-gathered). Without it, the whole model as before."""
+
+    def __init__(
+        self, arch: LlamaArch, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None
+    ):
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.tp = tp
+        rank, size = (tp.rank, tp.world_size) if tp is not None else (0, 1)
+        self.num_heads = arch.num_heads // size  # this rank's
+        self.num_kv_heads = arch.num_kv_heads // size
+        self.intermediate_size = arch.intermediate_size // size
+        per_rank_vocab = -(-arch.vocab_size // size)
+        self.vocab_start = min(rank * per_rank_vocab, arch.vocab_size)
+        self.vocab_end = min(self.vocab_start + per_rank_vocab, arch.vocab_size)
+        self.per_rank_vocab = per_rank_vocab
+        hidden, inter = arch.hidden_size, self.intermediate_size
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
+
+        def empty(*shape):
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        vocab_rows = self.vocab_end - self.vocab_start
+        self.embed = empty(vocab_rows, hidden)
+        self.lm_head = self.embed if arch.tie_word_embeddings else empty(vocab_rows, hidden)
+        self.final_norm = empty(hidden)
+        self.layers = []
+        for _ in range(arch.num_layers):
+            layer = {
+                "input_norm": empty(hidden),
+                "post_norm": empty(hidden),
+                "qkv": empty(self.q_size + 2 * self.kv_size, hidden),
+                "o": empty(hidden, self.q_size),
+                "gate_up": empty(2 * inter, hidden),
+                "down": empty(hidden, inter),
+            }
+            if arch.attention_bias:
+                layer["qkv_bias"] = empty(self.q_size + 2 * self.kv_size)
+                if arch.model_type == "llama":
+                    layer["o_bias"] = empty(hidden)
+            if arch.mlp_bias:
+                layer["gate_up_bias"] = empty(2 * inter)
+                layer["down_bias"] = empty(hidden)
+            self.layers.append(layer)
+        # RoPE table [max_positions, head_dim]: cos (first half) | sin (second half), computed
+        # as transformers does (float32 angles, then cast to the weights' dtype).
+        inv_freq = rope_inverse_frequencies(arch).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.int64)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).contiguous()
+
+    # ---- weights ----------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter names -> views into the fused tensors."""
+        names: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.final_norm,
+        }
+        if not self.arch.tie_word_embeddings:
+            names["lm_head.weight"] = self.lm_head
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            names[prefix + "input_layernorm.weight"] = layer["input_norm"]
+            names[prefix + "post_attention_layernorm.weight"] = layer["post_norm"]
+            names[prefix + "self_attn.q_proj.weight"] = layer["qkv"][:q]
+            names[prefix + "self_attn.k_proj.weight"] = layer["qkv"][q : q + kv]
+            names[prefix + "self_attn.v_proj.weight"] = layer["qkv"][q + kv :]
+            names[prefix + "self_attn.o_proj.weight"] = layer["o"]
+            names[prefix + "mlp.gate_proj.weight"] = layer["gate_up"][:inter]
+            names[prefix + "mlp.up_proj.weight"] = layer["gate_up"][inter:]
+            names[prefix + "mlp.down_proj.weight"] = layer["down"]
+            if "qkv_bias" in layer:
+                names[prefix + "self_attn.q_proj.bias"] = layer["qkv_bias"][:q]
+                names[prefix + "self_attn.k_proj.bias"] = layer["qkv_bias"][q : q + kv]
+                names[prefix + "self_attn.v_proj.bias"] = layer["qkv_bias"][q + kv :]
+            if "o_bias" in layer:
+                names[prefix + "self_attn.o_proj.bias"] = layer["o_bias"]
+            if "gate_up_bias" in layer:
+                names[prefix + "mlp.gate_proj.bias"] = layer["gate_up_bias"][:inter]
+                names[prefix + "mlp.up_proj.bias"] = layer["gate_up_bias"][inter:]
+                names[prefix + "mlp.down_proj.bias"] = layer["down_bias"]
+        return names
+
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """How this rank's tensor `name` sits in the whole one: (dim, start, length), or
+        None when it holds the whole tensor."""
+        if self.tp is None:
+            return None
+        rank, head_dim = self.tp.rank, self.arch.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, self.vocab_start, self.vocab_end - self.vocab_start
+        leaf = name.split(".", 3)[-1]  # e.g. "self_attn.q_proj.weight"
+        if leaf.startswith("self_attn.q_proj."):
+            return 0, rank * self.q_size, self.q_size
+        if leaf.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+            return 0, rank * self.kv_size, self.kv_size
+        if leaf == "self_attn.o_proj.weight":
+            return 1, rank * self.num_heads * head_dim, self.q_size
+        if leaf.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+            return 0, rank * self.intermediate_size, self.intermediate_size
+        if leaf == "mlp.down_proj.weight":
+            return 1, rank * self.intermediate_size, self.intermediate_size
+        return None  # norms, o/down biases: whole on every rank
+
+    def _full_shape(self, name: str, tensor: torch.Tensor) -> tuple[int, ...]:
+        shard = self.shard_of(name)
+        shape = list(tensor.shape)
+        if shard is not None:
+            dim = shard[0]
+            shape[dim] = self.arch.vocab_size if "embed" in name or "lm_head" in name else shape[dim] * self.tp.world_size
+        return tuple(shape)
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Seeded random weights drawn on the GPU (norms 1, biases 0, the rest N(0, 0.02)).
+        A tensor-parallel rank draws each whole tensor as one GPU would and keeps its
+        share, so its weights are those of the single-GPU model."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        if self.tp is not None:
+            for name, tensor in sorted(self.hf_state_dict().items()):
+                if name.endswith("norm.weight"):
+                    tensor.fill_(1.0)
+                elif name.endswith(".bias"):
+                    tensor.zero_()
+                else:
+                    whole = torch.empty(self._full_shape(name, tensor), dtype=self.dtype, device=self.device)
+                    whole.normal_(0.0, 0.02, generator=generator)
+                    dim, start, length = self.shard_of(name) or (0, 0, whole.shape[0])
+                    tensor.copy_(whole.narrow(dim, start, length))
+                    del whole
+            return
+        for name, tensor in sorted(self.hf_state_dict().items()):
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif name.endswith(".bias"):
+                tensor.zero_()
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+
+    @torch.no_grad()
+    def load_safetensors(self, folder) -> None:
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+        expected = self.hf_state_dict()
+        loaded: set[str] = set()
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
+                for name in handle.keys():
+                    if name not in expected:
+                        if name.endswith("rotary_emb.inv_freq") or (
+                            name == "lm_head.weight" and self.arch.tie_word_embeddings
+                        ):
+                            continue
+                        raise KeyError(f"{file.name}: unexpected weight {name!r} for this architecture")
+                    shard = self.shard_of(name)
+                    if shard is None:
+                        expected[name].copy_(handle.get_tensor(name))
+                    else:
+                        dim, start, length = shard
+                        expected[name].copy_(handle.get_tensor(name).narrow(dim, start, length))
+                    loaded.add(name)
+        missing = set(expected) - loaded
+        if missing:
+            raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+    # ---- forward ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, metadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> normed hidden [num_tokens, hidden].
+        Must run inside `ops.torch_stream()`."""
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        tp = self.tp
+        if tp is None:
+            residual = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        else:  # vocab-parallel: this rank's rows, zeros elsewhere, summed over the ranks
+            inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+            residual = F.embedding((input_ids - self.vocab_start) * inside, self.embed)
+            residual.mul_(inside.unsqueeze(1).to(residual.dtype))
+            tp.all_reduce(residual)
+        hidden = torch.empty_like(residual)
+        ops.rms_norm(hidden, residual, self.layers[0]["input_norm"], eps)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, arch.head_dim
+        # Row-parallel biases are added once (on rank 0), before the all-reduce.
+        row_bias = tp is None or tp.rank == 0
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        for index, layer in enumerate(self.layers):
+            if index > 0:
+                ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
+            qkv = F.linear(hidden, layer["qkv"], layer.get("qkv_bias"))  # [num_tokens, q + 2 kv]
+            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+            ops.rotary(q, k, positions, self.cos_sin, heads, kv_heads, head_dim)
+            attended = attention.forward(
+                index,
+                q.view(num_tokens, heads, head_dim),
+                k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim),
+                metadata,
+            )  # [num_tokens, heads, head_dim]
+            hidden = F.linear(attended.reshape(num_tokens, self.q_size), layer["o"], layer.get("o_bias") if row_bias else None)
+            if tp is not None:
+                tp.all_reduce(hidden)
+            ops.add_rms_norm(hidden, residual, layer["post_norm"], eps)
+            gate_up = F.linear(hidden, layer["gate_up"], layer.get("gate_up_bias"))  # [num_tokens, 2 * inter]
+            activated = ops.silu_and_mul(
+                torch.empty(num_tokens, self.intermediate_size, dtype=self.dtype, device=self.device), gate_up
+            )
+            hidden = F.linear(activated, layer["down"], layer.get("down_bias") if row_bias else None)
+            if tp is not None:
+                tp.all_reduce(hidden)
+        ops.add_rms_norm(hidden, residual, self.final_norm, eps)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        if self.tp is None:
+            return F.linear(hidden, self.lm_head).float()
+        local = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows]
+        if local.shape[1] < self.per_rank_vocab:
+            local = F.pad(local, (0, self.per_rank_vocab - local.shape[1]), value=float("-inf"))
+        return self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
+
+
+def gpu_device(config) -> torch.device:
+    """The engine's GPU: the first of the profile's gpu_ids, else the current device."""
+    index = config.gpu_ids[0] if config.gpu_ids else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def model_len(spec: ModelSpec, arch: LlamaArch, config) -> int:
+    """The longest sequence this engine can hold: the model's context, capped by the
+    longest request the engine accepts (prompt + output)."""
+    limit = spec.max_model_len or arch.max_position_embeddings
+    return min(limit, config.max_input_length + config.max_output_len)
+
+
+def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel:
+    """Build the fused model of `spec` directly on the engine's GPU. With tensor
+    parallelism: `tp` and `device` give one rank's share on its GPU; called without them
+    for a tensor-parallel engine, nothing is loaded here (model None): the
+    tensor-parallel runner loads each rank's share once the ranks are joined."""
+    device = device if device is not None else gpu_device(config)
+    torch.cuda.set_device(device)
+    dtype = TORCH_DTYPES[spec.dtype]
+    folder = prepare(spec)
+    hf_config = json.loads((folder / "config.json").read_text())
+    arch = LlamaArch.from_config(hf_config)
+    if tp is None and getattr(config, "tensor_parallel_size", 1) > 1:
+        return LoadedModel(
+            model=None, arch=arch, config=hf_config, folder=folder,
+            eos_token_ids=eos_token_ids(folder, hf_config), dtype=dtype, device=device, spec=spec,
+        )
+    model = GpuLlama(arch, dtype, device, max_positions=model_len(spec, arch, config), tp=tp)
+    if spec.source == "random":
+        model.init_random(spec.seed)
+    else:
+        model.load_safetensors(folder)
+    torch.cuda.synchronize(device)
+    size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
+    logger.info(
+        "model on %s: %s, %.2f GiB of weights%s", device, spec.dtype, size / 2**30,
+        f" (tensor-parallel rank {tp.rank} of {tp.world_size})" if tp is not None else "",
+    )
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        config=hf_config,
+        folder=folder,
+        eos_token_ids=eos_token_ids(folder, hf_config),
+        dtype=dtype,
+        device=device,
+        spec=spec,
+    )

@@ -1,0 +1,145 @@
+"""A tensor-parallel worker process (ranks 1..N-1), started and owned by rank 0.
+
+`python -m inflightllm.parallel.worker --rank R --world-size N --port P --backend B
+ --parent-pid PID --sampler-seed S --spec JSON --config JSON`
+
+It joins the process groups, loads its share of the model, builds its runner (its own
+KV cache), then runs each step rank 0 broadcasts until a stop message. It dies with its
+parent (PR_SET_PDEATHSIG, and a thread that watches the parent's pid). Any exception
+ends the process with status 1 after printing the traceback; rank 0's watchdog sees
+the exit and fails the engine with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(3)
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class RankMismatch(RuntimeError):
+    """This rank sampled another token than rank 0: the ranks are out of step."""
+
+
+def check_same_samples(rank: int, last_sampled, mine: dict[int, dict[str, int]]) -> None:
+    """Compare rank 0's samples of launch `index` with this rank's; forget older ones."""
+    index, request_ids, token_ids = last_sampled
+    own = mine.get(index)
+    for stale in [i for i in mine if i <= index]:
+        del mine[stale]
+    if own is None:
+        return
+    for request_id, token in zip(request_ids, token_ids):
+        if own.get(request_id, token) != token:
+            raise RankMismatch(f"rank {rank} sampled {own[request_id]} for {request_id}, rank 0 sampled {token}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--sampler-seed", type=int, required=True)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    # Rank 0 owns this process: it ends it with a stop message (NCCL's teardown is collective)
+    # or SIGKILL. A SIGTERM or Ctrl-C sent to the whole process group (a server's shutdown)
+    # must not end it first; it still dies with its parent.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {args.rank}] %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("inflightllm.parallel.worker")
+
+    import torch
+
+    from inflightllm.config import EngineConfig
+    from inflightllm.model_source import ModelSpec
+    from inflightllm.parallel.group import Distributed
+    from inflightllm.parallel.runner import (
+        cpu_num_blocks,
+        load_rank_model,
+        make_rank_runner,
+        rank_device,
+    )
+    from inflightllm.parallel.tp_runner import INIT_TIMEOUT_S
+
+    spec = ModelSpec(**json.loads(args.spec))
+    config = EngineConfig.from_parameters(json.loads(args.config))
+    device = rank_device(config, args.rank)
+    if args.backend == "nccl":
+        torch.cuda.set_device(device)
+    dist_ = Distributed(args.rank, args.world_size, args.port, args.backend, INIT_TIMEOUT_S, device=device)
+    loaded = load_rank_model(spec, config, dist_)
+    num_blocks = cpu_num_blocks(spec, config, loaded.config) if config.device == "cpu" else (
+        config.num_kv_blocks or None
+    )
+    runner = make_rank_runner(loaded, config, dist_, num_blocks, args.sampler_seed)
+    log.info("ready on %s: %d KV blocks", device, runner.num_blocks)
+    # Launch each step as rank 0 does; with asynchronous scheduling read a step's tokens
+    # after launching the next (the CUDA runner takes them from the device meanwhile).
+    launch = getattr(runner, "launch", None) if config.async_scheduling else None
+    pending: deque = deque()  # (launch index, handle)
+    mine: dict[int, dict[str, int]] = {}  # launch index -> this rank's samples
+    index = 0
+    while True:
+        kind, step, last_sampled = dist_.broadcast_message()
+        if kind == "stop":
+            break
+        if last_sampled is not None:
+            check_same_samples(args.rank, last_sampled, mine)
+        if launch is None:
+            result = runner.execute(step)
+            mine[index] = dict(zip(result.request_ids, result.token_ids))
+        else:
+            pending.append((index, launch(step)))
+            while len(pending) > 1:
+                done_index, handle = pending.popleft()
+                result = handle.result()
+                mine[done_index] = dict(zip(result.request_ids, result.token_ids))
+        index += 1
+    for _, handle in pending:
+        handle.result()
+    log.info("stopped")
+    dist_.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001 - any failure ends the worker; rank 0 sees the exit
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(code)

@@ -1,0 +1,70 @@
+"""Tensor parallelism on 2 GPUs (NCCL, CUDA graphs on every rank): fp32 greedy ids of
+TP=2 equal TP=1 on the same safetensors weights (in-flight, chunked prefill); a killed
+worker fails the step with a clear error within a bounded time. Needs 2 GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from inflightllm.config import EngineConfig  # noqa: E402
+from inflightllm.engine import Engine  # noqa: E402
+from inflightllm.llm import LLM  # noqa: E402
+from inflightllm.model_source import ModelSpec  # noqa: E402
+from inflightllm.sampling_params import SamplingParams  # noqa: E402
+from perf.bench_tp import exact_folder, prompts_of, release  # noqa: E402
+
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def config(tp: int, **overrides) -> EngineConfig:
+    values = dict(device="gpu", gpu_ids=tuple(range(tp)), tensor_parallel_size=tp, max_batch_size=16,
+                  max_num_tokens=256, max_input_length=1024, max_output_len=128, num_kv_blocks=512)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+@needs_two
+def test_tp2_greedy_equals_tp1_fp32():
+    spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
+    lengths = [5, 300, 17, 64, 9, 700]
+    prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in lengths]
+    params = [SamplingParams(max_tokens=20 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for tp in (1, 2):
+        engine = Engine(spec, config(tp), sampler_seed=0)
+        try:
+            llm = LLM(spec, engine=engine, load_tokenizer_too=False)
+            outputs[tp] = [r.token_ids for r in llm.generate(prompts, params, arrival_steps=[0, 0, 1, 2, 4, 7])]
+        finally:
+            getattr(engine.runner, "shutdown", lambda: None)()
+        engine = None
+        release()
+    assert outputs[2] == outputs[1]
+
+
+@needs_two
+def test_killed_worker_fails_the_step_clearly():
+    spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="bfloat16")
+    engine = Engine(spec, config(2, step_timeout_s=10.0, max_output_len=512), sampler_seed=0)
+    runner = engine.runner
+    try:
+        for i in range(4):
+            engine.add_request(f"f{i}", [5, 6, 7 + i], SamplingParams(max_tokens=500, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        os.kill(runner.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1"):
+            for _ in range(400):
+                engine.step()
+        assert not runner.healthy
+    finally:
+        started = time.monotonic()
+        runner.shutdown()
+        assert time.monotonic() - started < 30
