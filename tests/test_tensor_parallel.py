@@ -20,7 +20,6 @@ from inflightllm.engine import Engine
 from inflightllm.llm import LLM
 from inflightllm.model_source import ModelSpec
 from inflightllm.parallel.placement import PlacementError, instance_config
-from inflightllm.parallel.tp_runner import TensorParallelError
 from inflightllm.profile import ProfileError, load_profile
 from inflightllm.sampling_params import SamplingParams
 
@@ -90,15 +89,22 @@ def test_a_dead_or_hung_worker_fails_the_step_and_the_runner(how):
         (worker,) = runner.workers
         runner.step_timeout_s = 3.0  # only now: a busy CI machine may take long over the first steps
         os.kill(worker.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-        with pytest.raises(TensorParallelError) as failure:
-            for _ in range(200):
-                engine.step()
+        # The engine fails the step's requests alone (docs/RELIABILITY.md) and goes on;
+        # the runner is no longer healthy, so every later step fails its requests too.
+        errors = {}
+        for _ in range(200):
+            for output in engine.step():
+                if output.error is not None:
+                    errors[output.request_id] = output.error
+            if not engine.has_unfinished():
+                break
+        assert sorted(errors) == ["r0", "r1", "r2"]
         expected = "was killed by signal 9" if how == "kill" else "did not finish within step_timeout_s=3 s"
-        assert expected in str(failure.value)
-        assert "tensor-parallel" in str(failure.value)
+        assert all(expected in message and "tensor-parallel" in message for message in errors.values()), errors
         assert not runner.healthy
-        with pytest.raises(TensorParallelError, match="engine not ready"):
-            engine.step()
+        engine.add_request("late", [11, 12], SamplingParams(max_tokens=4, ignore_eos=True))
+        late = [output for output in engine.step() if output.request_id == "late"]
+        assert late and "engine not ready" in late[0].error
         assert worker.poll() is not None  # the runner killed it (the stopped one too)
     finally:
         started = time.monotonic()
