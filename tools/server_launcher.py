@@ -215,10 +215,11 @@ class TritonServer:
             return False
 
     def log_text(self) -> str:
+        """The server's log; after `stop()` removed a temporary log file, what it held."""
         try:
             return Path(self.log_path).read_text(errors="replace")
         except OSError:
-            return ""
+            return getattr(self, "_removed_log_text", "")
 
     def _failure_report(self, headline: str, tail_lines: int = 40) -> str:
         text = self.log_text()
@@ -260,6 +261,7 @@ class TritonServer:
 
     def _remove_temporary_log(self) -> None:
         if self._temporary_log and not self.keep_log and self.log_path is not None:
+            self._removed_log_text = self.log_text()  # still readable through log_text()
             Path(self.log_path).unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
