@@ -14,7 +14,24 @@ from inflightllm.attention import AttentionBackend, SequenceSlice, make_attentio
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
 from inflightllm.sampler import Sampler
-from inflightllm.step import SampledTokens, StepDescription
+from inflightllm.step import NewRequestData, SampledTokens, StepDescription
+
+
+def state_for(states: dict[str, Request], new: NewRequestData) -> Request:
+    """The runner's copy of a request sent whole: created on first sight, reused when it
+    comes back after a preemption (so a seeded generator keeps its stream); its tokens
+    are the prompt plus what it generated so far."""
+    state = states.get(new.request_id)
+    if state is None:
+        state = Request(
+            request_id=new.request_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            params=new.params,
+            eos_token_ids=frozenset(new.eos_token_ids),
+        )
+        states[new.request_id] = state
+    state.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+    return state
 
 
 class RequestStates:
@@ -30,16 +47,7 @@ class RequestStates:
             self.requests.pop(request_id, None)
             self.swapped.pop(request_id, None)
         for new in step.new_requests:
-            state = self.requests.get(new.request_id)  # resumed after preemption: keeps its generator
-            if state is None:
-                state = Request(
-                    request_id=new.request_id,
-                    prompt_token_ids=list(new.prompt_token_ids),
-                    params=new.params,
-                    eos_token_ids=frozenset(new.eos_token_ids),
-                )
-                self.requests[new.request_id] = state
-            state.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+            state = state_for(self.requests, new)
             state.block_table = list(new.block_ids)
             state.num_computed_tokens = new.num_computed_tokens
         for cached in step.cached_requests:

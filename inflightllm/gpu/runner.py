@@ -27,6 +27,7 @@ import torch
 from inflightllm.config import EngineConfig
 from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
+from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
 from inflightllm.step import SampledTokens, StepDescription
@@ -175,16 +176,7 @@ class GpuModelRunner:
         for request_id in step.preempted_request_ids:
             self._free_row(request_id)
         for new in step.new_requests:
-            state = self.states.get(new.request_id)
-            if state is None:
-                state = Request(
-                    request_id=new.request_id,
-                    prompt_token_ids=list(new.prompt_token_ids),
-                    params=new.params,
-                    eos_token_ids=frozenset(new.eos_token_ids),
-                )
-                self.states[new.request_id] = state
-            state.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+            state = state_for(self.states, new)
             row = self.free_rows.pop()
             self.rows[new.request_id] = row
             count = len(state.token_ids)
