@@ -49,8 +49,16 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
-def our_decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int = 30) -> float:
-    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True)
+def decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int = 30) -> dict:
+    """The decode step at `batch` once every request decodes, two ways:
+    - `synced`: median wall time of one `Engine.step()` with the GPU drained before and
+      after (host work and GPU work in series: no overlap at all);
+    - `pipelined`: `steps` consecutive `Engine.step()` calls, drained only at both ends,
+      divided by `steps`. With asynchronous scheduling the host prepares step N+1 while the
+      GPU runs step N, so this is the time between two tokens of a stream (inter-token
+      latency at this batch), which is what a client sees.
+    Contexts start at `prompt_len` tokens."""
+    params = SamplingParams(max_tokens=2 * steps + 20, ignore_eos=True)
     for i, prompt in enumerate(prompts_of(batch, prompt_len, engine.vocab_size, seed=batch)):
         engine.add_request(f"decode-{batch}-{i}", prompt, params)
     # Until every request has its first token (all prefills done), then a few warm steps.
@@ -65,9 +73,33 @@ def our_decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps:
         engine.step()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    pipelined = (time.perf_counter() - start) * 1e3 / steps
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(times)
+    return {"synced": statistics.median(times), "pipelined": pipelined}
+
+
+def compute_floor(engine: Engine, requests: int, prompt_len: int, output_len: int,
+                  matmul_tflops: float = 790.0) -> dict:
+    """The least time the workload's weight GEMMs need at the GPU's dense bf16 matmul rate
+    (measured on the H200 at ~790 TFLOP/s): 2 FLOP per weight per token, the LM head
+    counted once per sequence step that samples (the last prompt token, then every output
+    token), the embedding not at all. Attention is left out (it only lowers the ceiling)."""
+    arch = engine.loaded.arch
+    weights = sum(t.numel() for t in engine.loaded.model.hf_state_dict().values())
+    embed = arch.vocab_size * arch.hidden_size
+    lm_head = 0 if getattr(arch, "tie_word_embeddings", False) else embed
+    body = weights - embed - lm_head
+    body_full = body + embed  # per sampled token: the body and an LM head
+    flops = 2 * requests * ((prompt_len - 1) * body + output_len * body_full)
+    seconds = flops / (matmul_tflops * 1e12)
+    return {"matmul_tflops": matmul_tflops, "tflop": round(flops / 1e12, 1), "seconds": round(seconds, 2),
+            "output_tokens_per_s": round(requests * output_len / seconds, 1)}
 
 
 def hf_model(engine: Engine):
@@ -142,6 +174,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per step (chunked prefill budget)")
     parser.add_argument("--throughput-batch-sizes", default="",
                         help="also run the throughput workload with these max_batch_size caps, e.g. 512,1024")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
@@ -155,7 +188,7 @@ def main() -> None:
     spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype)
     long_input = 32768 if "long" in sections else 4096
     config = EngineConfig(
-        device="gpu", gpu_ids=(0,), max_num_tokens=8192, max_input_length=long_input,
+        device="gpu", gpu_ids=(0,), max_num_tokens=args.max_num_tokens, max_input_length=long_input,
         max_output_len=4096, gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=True,
         max_batch_size=args.max_batch_size,
     )
@@ -175,13 +208,18 @@ def main() -> None:
     if "decode" in sections:
         for batch in batches:
             engine.async_scheduling = False
-            synchronous = our_decode_step_ms(engine, batch)
+            synchronous = decode_step_ms(engine, batch)
             engine.async_scheduling = True
-            ours = our_decode_step_ms(engine, batch)
+            ours = decode_step_ms(engine, batch)
             theirs = hf_decode_step_ms(model, batch, engine.vocab_size) if model is not None else float("nan")
-            rows.append({"batch": batch, "ours_ms": round(ours, 3), "ours_synchronous_ms": round(synchronous, 3),
+            rows.append({"batch": batch, "ours_pipelined_ms": round(ours["pipelined"], 3),
+                         "ours_synced_ms": round(ours["synced"], 3),
+                         "synchronous_scheduling_pipelined_ms": round(synchronous["pipelined"], 3),
+                         "synchronous_scheduling_synced_ms": round(synchronous["synced"], 3),
                          "transformers_ms": round(theirs, 3)})
-            print(f"decode step batch {batch:4d}: ours {ours:8.3f} ms (synchronous scheduling {synchronous:8.3f} ms)"
+            print(f"decode step batch {batch:4d}: ours {ours['pipelined']:8.3f} ms between tokens "
+                  f"({ours['synced']:.3f} ms drained around each step; synchronous scheduling "
+                  f"{synchronous['pipelined']:.3f} / {synchronous['synced']:.3f} ms)"
                   f"   transformers {theirs:8.3f} ms", flush=True)
         report["decode_step"] = rows
     if "throughput" in sections:
@@ -200,6 +238,9 @@ def main() -> None:
                                 "preemptions": engine.stats().num_preemptions_total}
         print(f"engine-only {args.requests} x 128/128: {tokens / elapsed:,.0f} output tokens/s ({elapsed:.1f} s)",
               flush=True)
+        report["throughput"]["compute_floor"] = floor = compute_floor(engine, args.requests, 128, 128)
+        print(f"  GEMM compute floor at {floor['matmul_tflops']} TFLOP/s: {floor['seconds']} s, i.e. at most "
+              f"{floor['output_tokens_per_s']:,.0f} output tokens/s", flush=True)
         if model is not None:
             batch_prompts = prompts[:128]
             hf_generate_s(model, batch_prompts[:8], 4)
@@ -213,7 +254,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         for cap in [int(c) for c in args.throughput_batch_sizes.split(",") if c]:
             blocks = args.requests * 272 // 16 + cap  # every request's 256 tokens (+ a block each) at once
-            capped = Engine(spec, replace(config, max_batch_size=cap, max_num_tokens=max(8192, cap),
+            capped = Engine(spec, replace(config, max_batch_size=cap, max_num_tokens=max(args.max_num_tokens, cap),
                                           num_kv_blocks=blocks), sampler_seed=0, loaded=engine.loaded)
             capped_llm = LLM(spec, engine=capped, load_tokenizer_too=False)
             capped_llm.generate(prompts[:64], params)

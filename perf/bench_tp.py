@@ -7,7 +7,12 @@ Sections (in this order, each result saved to --out as soon as it exists):
 - `failure`: a TP=2 engine on GPUs (NCCL) whose worker is killed mid-decode: the seconds
   until the step raises, and its message.
 - `decode`: the decode step at batch 1 (and `--batches`) of `--shape` in bf16, TP=1 on
-  GPU 0 vs TP=2 on GPUs 0,1 (median of timed `Engine.step()`, CUDA graphs on).
+  GPU 0 vs TP=2 on GPUs 0,1, CUDA graphs on: the time between tokens over consecutive
+  steps, and the median of single steps drained before and after (bench_gpu.decode_step_ms).
+- `profile`: with `decode`, a torch profiler trace of rank 0 over 20 decode steps at
+  batch 1 (NCCL kernels on rank 0 include the time spent waiting for the peer), and rank
+  0's host time per step (broadcast, launch, waiting for the result). Workers log theirs
+  when INFLIGHTLLM_TP_TIMING is set.
 - `throughput`: 1,024 requests of 128/128 tokens, engine-only: TP=2 vs 2 data-parallel
   engines (one process per GPU, half the requests each; output tokens/s summed).
 
@@ -22,7 +27,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,7 @@ from inflightllm.engine import Engine  # noqa: E402
 from inflightllm.llm import LLM  # noqa: E402
 from inflightllm.model_source import ModelSpec  # noqa: E402
 from inflightllm.sampling_params import SamplingParams  # noqa: E402
+from perf.bench_gpu import decode_step_ms, profile_decode  # noqa: E402
 
 REPORT: dict = {}
 
@@ -146,26 +151,6 @@ def section_failure(args) -> None:
     print(f"worker killed: step raised after {elapsed:.2f} s: {message}", flush=True)
 
 
-def decode_step_ms(engine: Engine, batch: int, steps: int = 30) -> float:
-    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True)
-    for i, prompt in enumerate(prompts_of(batch, 128, engine.vocab_size, seed=batch)):
-        engine.add_request(f"decode-{batch}-{i}", prompt, params)
-    while engine.stats().num_running < batch or any(r.num_output_tokens == 0 for r in engine.requests.values()):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(times)
-
-
 def big_config(tp: int, gpu_ids, **overrides) -> EngineConfig:
     values = dict(device="gpu", gpu_ids=tuple(gpu_ids), tensor_parallel_size=tp, max_batch_size=256,
                   max_num_tokens=8192, max_input_length=1024, max_output_len=1024, gpu_memory_utilization=0.85)
@@ -192,9 +177,24 @@ def section_decode_and_throughput(args, sections) -> None:
         REPORT.setdefault("cuda_graphs", {})[f"tp{tp}"] = engine.config.cuda_graphs
         if "decode" in sections:
             for batch in batches:
-                ms = decode_step_ms(engine, batch)
+                times = decode_step_ms(engine, batch)
+                ms = times["pipelined"]
                 REPORT.setdefault("decode_ms", {}).setdefault(f"batch{batch}", {})[f"tp{tp}"] = round(ms, 3)
-                print(f"{args.shape} bf16 decode step batch {batch} TP={tp}: {ms:.3f} ms", flush=True)
+                REPORT.setdefault("decode_synced_ms", {}).setdefault(f"batch{batch}", {})[f"tp{tp}"] = round(
+                    times["synced"], 3)
+                print(f"{args.shape} bf16 decode step batch {batch} TP={tp}: {ms:.3f} ms between tokens, "
+                      f"{times['synced']:.3f} ms drained around each step", flush=True)
+                save(args.out)
+            if "profile" in sections:
+                host = getattr(engine.runner, "host_seconds", None)
+                if host is not None:
+                    for key in host:
+                        host[key] = 0
+                REPORT.setdefault("profile", {})[f"tp{tp}"] = {"kernels": profile_decode(engine, 1, steps=20)}
+                if host is not None and host["steps"]:
+                    per_step = {k: round(v * 1e3 / host["steps"], 3) for k, v in host.items() if k != "steps"}
+                    REPORT["profile"][f"tp{tp}"]["rank0_host_ms_per_step"] = per_step
+                    print(f"TP={tp} rank 0 host ms per step: {per_step}", flush=True)
                 save(args.out)
         if tp == 2 and "throughput" in sections:
             prompts = prompts_of(args.requests, 128, engine.vocab_size, seed=7)
@@ -259,7 +259,7 @@ def section_data_parallel(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="exact,failure,decode,throughput,dp")
+    parser.add_argument("--sections", default="exact,failure,decode,profile,throughput,dp")
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batches", default="1")
     parser.add_argument("--requests", type=int, default=1024)

@@ -105,6 +105,8 @@ class TensorParallelRunner:
         # check their own samples of that step against it.
         self._last_sampled: tuple[int, list[str], list[int]] | None = None
         self._num_launched = 0
+        # Host seconds rank 0 spent per part of its steps (read by perf/bench_tp.py's profile).
+        self.host_seconds = {"broadcast": 0.0, "launch": 0.0, "result": 0.0, "steps": 0}
         self.workers: list[subprocess.Popen] = []
         port = free_port()
         backend = "gloo" if config.device == "cpu" else "nccl"
@@ -217,9 +219,16 @@ class TensorParallelRunner:
         self._num_launched += 1
 
         def run():
+            times = self.host_seconds
+            start = time.perf_counter()
             self.dist.broadcast_message(("step", step, self._last_sampled))
+            sent = time.perf_counter()
             launch = getattr(self.runner, "launch", None)
-            return launch(step) if launch is not None else _Finished(self.runner.execute(step))
+            handle = launch(step) if launch is not None else _Finished(self.runner.execute(step))
+            times["broadcast"] += sent - start
+            times["launch"] += time.perf_counter() - sent
+            times["steps"] += 1
+            return handle
 
         return TensorParallelStep(self, index, self._guarded(run))
 
@@ -313,6 +322,8 @@ class TensorParallelStep:
 
     def result(self) -> SampledTokens:
         if self._result is None:
+            start = time.perf_counter()
             self._result = self.owner._guarded(self.local.result)
+            self.owner.host_seconds["result"] += time.perf_counter() - start
             self.owner._last_sampled = (self.index, list(self._result.request_ids), list(self._result.token_ids))
         return self._result

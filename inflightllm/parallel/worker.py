@@ -25,6 +25,7 @@ import traceback
 from collections import deque
 
 PR_SET_PDEATHSIG = 1
+TIMING_WINDOW = 100  # with INFLIGHTLLM_TP_TIMING set: host time per step, logged per window
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -112,8 +113,13 @@ def main(argv=None) -> int:
     pending: deque = deque()  # (launch index, handle)
     mine: dict[int, dict[str, int]] = {}  # launch index -> this rank's samples
     index = 0
+    # Host seconds per part of the steps: waiting for rank 0's message, launching, reading.
+    seconds = {"wait": 0.0, "launch": 0.0, "result": 0.0}
     while True:
+        start = time.perf_counter()
         kind, step, last_sampled = dist_.broadcast_message()
+        received = time.perf_counter()
+        seconds["wait"] += received - start
         if kind == "stop":
             break
         if last_sampled is not None:
@@ -121,16 +127,24 @@ def main(argv=None) -> int:
         if launch is None:
             result = runner.execute(step)
             mine[index] = dict(zip(result.request_ids, result.token_ids))
+            seconds["launch"] += time.perf_counter() - received
         else:
             pending.append((index, launch(step)))
+            launched = time.perf_counter()
+            seconds["launch"] += launched - received
             while len(pending) > 1:
                 done_index, handle = pending.popleft()
                 result = handle.result()
                 mine[done_index] = dict(zip(result.request_ids, result.token_ids))
+            seconds["result"] += time.perf_counter() - launched
         index += 1
+        if index % TIMING_WINDOW == 0 and os.environ.get("INFLIGHTLLM_TP_TIMING"):
+            log.info("steps %d-%d, host ms per step: %s", index - TIMING_WINDOW, index - 1,
+                     {name: round(value * 1e3 / TIMING_WINDOW, 3) for name, value in seconds.items()})
+            seconds = dict.fromkeys(seconds, 0.0)
     for _, handle in pending:
         handle.result()
-    log.info("stopped")
+    log.info("stopped after %d steps", index)
     dist_.destroy()
     return 0
 
