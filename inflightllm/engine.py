@@ -185,6 +185,10 @@ class Engine:
         self._inflight = None
         self.requests: dict[str, Request] = {}
         self._counters = _Counters()
+        # Host seconds of the asynchronous step loop by part (perf/bench_gpu.py reads them):
+        # schedule (scheduler + step description), launch (the runner queues the step),
+        # wait (the previous step's tokens: GPU time not hidden by the host work), emit.
+        self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "steps": 0}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
 
@@ -337,12 +341,20 @@ class Engine:
             return outputs
         if self._inflight is not None and self._needs_history():
             self._resolve(outputs)  # penalties and bad words read the tokens still in flight
+        times = self.host_seconds
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
         if not (scheduled.is_empty and not scheduled.swapped_out):
             try:
-                handle = self.runner.launch(self._describe(scheduled))
+                description = self._describe(scheduled)
+                described = time.perf_counter()
+                times["schedule"] += described - start
+                handle = self.runner.launch(description)
+                start = time.perf_counter()
+                times["launch"] += start - described
+                times["steps"] += 1
             except Exception as error:
                 self._fail_step(scheduled, error, outputs)
             else:
@@ -380,6 +392,7 @@ class Engine:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
         handle, scheduled = self._inflight
         self._inflight = None
+        start = time.perf_counter()
         try:
             sampled = handle.result()
         except Exception as error:  # the step failed on the device: its requests fail alone
@@ -389,10 +402,13 @@ class Engine:
                 if not request.is_finished:
                     self._fail(request, message, outputs)
             return
+        waited = time.perf_counter()
         for request in scheduled:
             if not request.is_finished:
                 self.block_manager.cache_full_blocks(request)
         self._emit(sampled, outputs)
+        self.host_seconds["wait"] += waited - start
+        self.host_seconds["emit"] += time.perf_counter() - waited
 
     def _emit(self, sampled, outputs: list[RequestOutput]) -> None:
         """Append each sampled token to its request, check stops, collect outputs; a

@@ -74,14 +74,30 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     sync()
+    reset_host_times(engine)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
     pipelined = (time.perf_counter() - start) * 1e3 / steps
+    host = host_ms_per_step(engine)
     while engine.has_unfinished():
         engine.step()
-    return {"synced": statistics.median(times), "pipelined": pipelined}
+    return {"synced": statistics.median(times), "pipelined": pipelined, "host_ms_per_step": host}
+
+
+def reset_host_times(engine: Engine) -> None:
+    for key in engine.host_seconds:
+        engine.host_seconds[key] = 0
+
+
+def host_ms_per_step(engine: Engine) -> dict:
+    """The engine's host time per step by part (asynchronous scheduling): `wait` is the GPU
+    time the host work did not hide; the rest is host work."""
+    times = engine.host_seconds
+    steps = max(1, times["steps"])
+    return {key: round(value * 1e3 / steps, 3) for key, value in times.items() if key != "steps"} | {
+        "steps": times["steps"]}
 
 
 def compute_floor(engine: Engine, requests: int, prompt_len: int, output_len: int,
@@ -212,7 +228,9 @@ def main() -> None:
             engine.async_scheduling = True
             ours = decode_step_ms(engine, batch)
             theirs = hf_decode_step_ms(model, batch, engine.vocab_size) if model is not None else float("nan")
+            print(f"  host ms per step (asynchronous scheduling): {ours['host_ms_per_step']}", flush=True)
             rows.append({"batch": batch, "ours_pipelined_ms": round(ours["pipelined"], 3),
+                         "host_ms_per_step": ours["host_ms_per_step"],
                          "ours_synced_ms": round(ours["synced"], 3),
                          "synchronous_scheduling_pipelined_ms": round(synchronous["pipelined"], 3),
                          "synchronous_scheduling_synced_ms": round(synchronous["synced"], 3),
@@ -228,6 +246,7 @@ def main() -> None:
         llm = LLM(spec, engine=engine, load_tokenizer_too=False)
         llm.generate(prompts[:64], params)  # warm-up
         sync()
+        reset_host_times(engine)
         start = time.perf_counter()
         results = llm.generate(prompts, params)
         sync()
@@ -235,7 +254,9 @@ def main() -> None:
         tokens = sum(len(r.token_ids) for r in results)
         report["throughput"] = {"requests": args.requests, "output_tokens": tokens, "seconds": round(elapsed, 2),
                                 "output_tokens_per_s": round(tokens / elapsed, 1),
-                                "preemptions": engine.stats().num_preemptions_total}
+                                "preemptions": engine.stats().num_preemptions_total,
+                                "host_ms_per_step": host_ms_per_step(engine)}
+        print(f"  host ms per step: {report['throughput']['host_ms_per_step']}", flush=True)
         print(f"engine-only {args.requests} x 128/128: {tokens / elapsed:,.0f} output tokens/s ({elapsed:.1f} s)",
               flush=True)
         report["throughput"]["compute_floor"] = floor = compute_floor(engine, args.requests, 128, 128)
@@ -259,11 +280,14 @@ def main() -> None:
             capped_llm = LLM(spec, engine=capped, load_tokenizer_too=False)
             capped_llm.generate(prompts[:64], params)
             sync()
+            reset_host_times(capped)
             start = time.perf_counter()
             results = capped_llm.generate(prompts, params)
             sync()
             seconds = time.perf_counter() - start
             report["throughput"][f"max_batch_size_{cap}_tokens_per_s"] = round(tokens / seconds, 1)
+            report["throughput"][f"max_batch_size_{cap}_host_ms_per_step"] = host_ms_per_step(capped)
+            print(f"  host ms per step: {host_ms_per_step(capped)}", flush=True)
             print(f"engine-only {args.requests} x 128/128 at max_batch_size {cap}: {tokens / seconds:,.0f} "
                   f"output tokens/s ({seconds:.1f} s)", flush=True)
             del capped, capped_llm

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
+KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "silu_and_mul_vec")
 SOURCE = Path(__file__).with_name("layers.cu")
 
 
@@ -55,6 +55,11 @@ def torch_stream():
 
 def _ptr(tensor: torch.Tensor) -> np.uintp:
     return np.uintp(tensor.data_ptr())
+
+
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    """Contiguous rows starting on 16-byte boundaries (for 16-byte vector loads and stores)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _threads(width: int) -> int:
@@ -103,7 +108,13 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     tokens, double = gate_up.shape
     width = double // 2
     total = tokens * width
-    if total:
+    vec = 16 // gate_up.element_size()
+    if total and width % vec == 0 and tokens <= 65535 and _aligned16(gate_up, out):
+        threads = 128
+        _kernel("silu_and_mul_vec", gate_up.dtype)(
+            (-(-width // (threads * vec)), tokens), (threads,), (_ptr(out), _ptr(gate_up), np.int32(width))
+        )
+    elif total:
         blocks = min((total + 255) // 256, 65535)
         _kernel("silu_and_mul", gate_up.dtype)(
             (blocks,), (256,), (_ptr(out), _ptr(gate_up), np.int32(width), np.int64(total))

@@ -397,7 +397,8 @@ def test_timings(capsys):
     kv_row_bytes = 2 * kvh * d * 2  # K and V of one token, bf16
 
     for (batch, ctx), decode in itertools.product(
-        [(1, 32768), (32, 2048), (256, 2048), (64, 8192), (1, 2048)], ("v1", "v2")
+        [(1, 32768), (32, 2048), (256, 2048), (256, 192), (1024, 192), (64, 8192), (1, 2048), (1, 160)],
+        ("v1", "v2"),
     ):
         backend.decode_impl = decode
         seqs = _random_tables([(1, ctx)] * batch, bs, num_blocks, batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,6 +234,19 @@ def test_fused_layer_kernels_match_torch(dtype):
         act = ops.silu_and_mul(torch.empty(tokens, 1536, device=device, dtype=dtype), gate_up)
         expected = torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
         torch.testing.assert_close(act, expected, rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2)
+        # The 16-byte vector kernel (taken above) rounds exactly as the scalar one (odd widths).
+        scalar = torch.full_like(act, float("nan"))
+        ops._kernel("silu_and_mul", dtype)(
+            (64,), (256,), (ops._ptr(scalar), ops._ptr(gate_up), np.int32(1536), np.int64(tokens * 1536))
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(scalar, act)
+        odd_gate_up = torch.randn(tokens, 2 * 1539, device=device, dtype=dtype)
+        odd = ops.silu_and_mul(torch.empty(tokens, 1539, device=device, dtype=dtype), odd_gate_up)
+        torch.testing.assert_close(
+            odd, torch.nn.functional.silu(odd_gate_up[:, :1539]) * odd_gate_up[:, 1539:],
+            rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2,
+        )
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
         positions = torch.randint(0, 4000, (tokens,), device=device)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))

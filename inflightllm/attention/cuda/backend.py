@@ -15,6 +15,7 @@ lazily (in allocate_kv_cache and on the first kernel launch).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,17 @@ log = logging.getLogger(__name__)
 PREFILL_DEFAULT = "flash"
 # Which flash-decoding kernel forward uses ("v1": shared-memory logits per 256-token chunk;
 # "v2": register online softmax, K and V loads together, no barriers in the token loop).
+# INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks and debugging).
 DECODE_DEFAULT = "v2"
+
+
+def default_decode_impl() -> str:
+    impl = os.environ.get("INFLIGHTLLM_DECODE_IMPL", "").strip() or DECODE_DEFAULT
+    if impl not in ops.DECODE_KERNELS:
+        raise ValueError(
+            f"INFLIGHTLLM_DECODE_IMPL={impl!r} is not a decode kernel; allowed: {', '.join(ops.DECODE_KERNELS)}"
+        )
+    return impl
 
 
 class _FlatCaches(HostSwapMixin):
@@ -91,7 +102,7 @@ class CudaPagedAttention(AttentionBackend):
         self.sliding_window = sliding_window or None
         self.max_model_len = max_model_len
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
-        self.decode_impl = DECODE_DEFAULT  # "v1" | "v2" (paged_decode / paged_decode_v2)
+        self.decode_impl = default_decode_impl()  # "v1" | "v2" (ops.DECODE_KERNELS)
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
