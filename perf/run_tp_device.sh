@@ -7,9 +7,9 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export INFLIGHTLLM_TP_TIMING=1 INFLIGHTLLM_CACHE_DIR=${INFLIGHTLLM_CACHE_DIR:-$PWD/.devcache} PYTHONPATH=$PWD
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } > "$OUT/machine.txt" 2>&1
-timeout ${PYTEST_TIMEOUT:-110} python3 -u -m pytest -v -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$OUT/pytest_tp_gpu.log" 2>&1
+timeout ${PYTEST_TIMEOUT:-150} python3 -u -m pytest -v -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$OUT/pytest_tp_gpu.log" 2>&1
 echo "pytest tests/gpu/test_tp_gpu.py rc=$?"
-timeout ${BENCH_TIMEOUT:-220} python3 -u perf/bench_tp.py --sections ${SECTIONS:-exact,decode,profile,throughput,dp,failure} \
+timeout ${BENCH_TIMEOUT:-330} python3 -u perf/bench_tp.py --sections ${SECTIONS:-exact,decode,profile,throughput,dp,failure} \
   --out "$OUT/bench_tp.json" > "$OUT/bench_tp.log" 2>&1
 echo "bench rc=$?"
 grep -E "Error|error|Traceback" "$OUT/bench_tp.log" | head -20
