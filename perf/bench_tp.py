@@ -137,18 +137,26 @@ def section_failure(args) -> None:
     (worker,) = engine.runner.workers
     os.kill(worker.pid, signal.SIGKILL)
     start = time.monotonic()
-    message = "no error"
-    try:
-        for _ in range(400):
-            engine.step()
-    except Exception as error:  # noqa: BLE001
-        message = f"{type(error).__name__}: {error}"
-    elapsed = time.monotonic() - start
+    errors: dict[str, str] = {}
+    elapsed = None
+    for _ in range(400):  # the in-flight requests fail with the reason; the engine goes on
+        for output in engine.step():
+            if output.error is not None:
+                errors[output.request_id] = output.error
+        if len(errors) == 4:
+            elapsed = time.monotonic() - start
+            break
+    engine.add_request("late", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    late = [o.error for o in engine.step() if o.request_id == "late"]
+    healthy = engine.runner.healthy
     start = time.monotonic()
     engine.runner.shutdown()
-    REPORT["failure_nccl"] = {"error_after_s": round(elapsed, 2), "message": message,
-                              "shutdown_s": round(time.monotonic() - start, 2)}
-    print(f"worker killed: step raised after {elapsed:.2f} s: {message}", flush=True)
+    message = next(iter(errors.values()), "no error")
+    REPORT["failure_nccl"] = {"requests_failed": len(errors), "all_failed_after_s": round(elapsed, 2) if elapsed else None,
+                              "message": message, "late_request": late[0] if late else None,
+                              "ready_after": healthy, "shutdown_s": round(time.monotonic() - start, 2)}
+    print(f"worker killed: {len(errors)}/4 in-flight requests failed after {elapsed} s: {message}; "
+          f"a later request: {late}", flush=True)
 
 
 def big_config(tp: int, gpu_ids, **overrides) -> EngineConfig:

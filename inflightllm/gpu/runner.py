@@ -27,6 +27,7 @@ import torch
 from inflightllm.config import EngineConfig
 from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
+from inflightllm.gpu.staging import PinnedStaging
 from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
@@ -95,7 +96,8 @@ class GpuModelRunner:
                 arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.sliding_window, max_model_len=self.max_model_len
             )
 
-        self.sampler = GpuSampler(self.device, self.max_rows, sampler_seed)
+        self.staging = PinnedStaging(self.device)
+        self.sampler = GpuSampler(self.device, self.max_rows, sampler_seed, upload=self.staging.upload)
         if num_blocks is None:
             num_blocks = self._size_kv_cache(new_attention)
         self.attention = new_attention()
@@ -223,20 +225,17 @@ class GpuModelRunner:
         slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         context = num_computed + query_lens
         max_blocks = int(-(-int(context.max()) // bs))
-        packed = torch.from_numpy(np.concatenate([input_ids, positions, slots]))
-        staged = packed.pin_memory().to(self.device, non_blocking=True)
+        staged = self.staging.upload(np.concatenate([input_ids, positions, slots]))
         self.input_ids[:total].copy_(staged[:total])
         self.positions[:total].copy_(staged[total : 2 * total])
         self.slot_mapping[:total].copy_(staged[2 * total :])
         if pending is not None and len(pending):
-            where = torch.from_numpy(np.stack([pending, token_rows[pending]])).pin_memory().to(self.device, non_blocking=True)
+            where = self.staging.upload(np.stack([pending, token_rows[pending]]))
             self.input_ids.index_copy_(0, where[0], self.last_sampled.index_select(0, where[1]))
-        small = torch.from_numpy(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
-        small = small.pin_memory().to(self.device, non_blocking=True)
+        small = self.staging.upload(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
         self.context_lens[:num_seqs].copy_(small[:num_seqs])
         self.query_start_loc[: num_seqs + 1].copy_(small[num_seqs:])
-        tables = torch.from_numpy(np.ascontiguousarray(self.block_table[rows, :max_blocks]))
-        self.block_tables[:num_seqs, :max_blocks].copy_(tables.pin_memory().to(self.device, non_blocking=True))
+        self.block_tables[:num_seqs, :max_blocks].copy_(self.staging.upload(self.block_table[rows, :max_blocks]))
         prefill_lens = query_lens[num_decodes:]
         return CudaAttentionMetadata(
             num_decodes=num_decodes,
@@ -326,6 +325,7 @@ class GpuModelRunner:
         self._update_states(step)
         if not step.scheduled:
             return LaunchedStep(self, [], None, None)
+        self.staging.begin_step()
         ids = [request_id for request_id, _ in step.scheduled]
         rows = np.fromiter((self.rows[request_id] for request_id in ids), np.int64, len(ids))
         query_lens = np.fromiter((count for _, count in step.scheduled), np.int64, len(ids))
@@ -349,14 +349,14 @@ class GpuModelRunner:
                 self.query_start_loc[batch + 1 : bucket + 1].copy_(self._row_offsets[batch + 1 : bucket + 1])
             graph, graph_hidden = self.graphs[bucket]
             graph.replay()
-            selected = torch.from_numpy(np.flatnonzero(samples)).to(self.device, non_blocking=True)
+            selected = self.staging.upload(np.flatnonzero(samples))
             logits = self.model.compute_logits(graph_hidden.index_select(0, selected))
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             total = int(query_lens.sum())
             with ops.torch_stream():
                 hidden = self.model.forward(self.input_ids[:total], self.positions[:total], self.attention, metadata)
-                selected = torch.from_numpy(last_token[samples]).to(self.device, non_blocking=True)
+                selected = self.staging.upload(last_token[samples])
                 logits = self.model.compute_logits(hidden.index_select(0, selected))
 
         self.num_computed[rows] = num_computed + query_lens
@@ -367,8 +367,7 @@ class GpuModelRunner:
         states = [self.states[request_id] for request_id in request_ids]
         positions = self.num_tokens[sample_rows]  # where each new token goes
         sampled = self.sampler.sample(logits, sample_rows, states, positions - self.prompt_lens[sample_rows])
-        self.last_sampled.index_copy_(0, torch.from_numpy(sample_rows).to(self.device, non_blocking=True),
-                                      sampled.token_ids)
+        self.last_sampled.index_copy_(0, self.staging.upload(sample_rows), sampled.token_ids)
         host = sampled.to_host(non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -108,8 +108,11 @@ class SampleResult:
 class GpuSampler:
     """Samples one token per row of logits for the runner's rows."""
 
-    def __init__(self, device: torch.device, max_rows: int, seed: int | None = None):
+    def __init__(self, device: torch.device, max_rows: int, seed: int | None = None, upload=None):
         self.device = device
+        # host array -> device tensor, asynchronously (the runner's pinned staging)
+        self.upload = upload or (lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(
+            device, non_blocking=True))
         self.params = RowParams.empty(max_rows)
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -155,7 +158,7 @@ class GpuSampler:
         token_ids = torch.argmax(logits, dim=-1)
         if not greedy.all():
             token_ids = torch.where(
-                torch.from_numpy(greedy).to(self.device, non_blocking=True), token_ids, self._sample(logits, rows)
+                self.upload(greedy), token_ids, self._sample(logits, rows)
             )
         result = SampleResult(token_ids=token_ids, wants=wants, top_counts=p.top_logprobs[rows], errors=errors)
         if raw_logprobs is not None:
@@ -167,9 +170,9 @@ class GpuSampler:
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         p = self.params
-        settings = torch.from_numpy(
+        settings = self.upload(
             np.stack([p.temperature[rows], p.top_p[rows], p.min_p[rows], p.top_k[rows].astype(np.float32)], axis=1)
-        ).to(self.device, non_blocking=True)
+        )
         temperature, top_p, min_p, top_k = settings.unbind(1)
         scaled = logits / temperature[:, None]
         vocab = scaled.shape[1]

@@ -86,6 +86,14 @@ class Distributed:
         kwargs = {}
         if backend == "nccl" and device is not None:
             kwargs["device_id"] = torch.device(device)
+        if dist.is_initialized():
+            # A previous engine in this process left its default group behind (its teardown
+            # failed or was cut short): it has no peers any more, so drop it.
+            logger.warning("a process group of an earlier tensor-parallel engine is still registered; destroying it")
+            try:
+                dist.destroy_process_group()
+            except Exception as error:  # noqa: BLE001
+                logger.warning("destroying the stale process group failed: %r", error)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
