@@ -5,13 +5,14 @@ too). One run measures ONE workload, by default 1,024 requests of 128 prompt tok
 built to tokenize to exactly that count) and 128 output tokens (`max_tokens = min_tokens`,
 so EOS cannot end a request early), all submitted at once, greedy:
 
-(a) `engine`: `LLM.generate` in this process with exactly the engine configuration the
-    profile renders (the `engine` model's config.pbtxt parameters: max_batch_size,
+(a) `engine`: `LLM.generate` in-process (no server) with exactly the engine configuration
+    the profile renders (the `engine` model's config.pbtxt parameters: max_batch_size,
     max_num_tokens, gpu_memory_utilization, async scheduling, CUDA graphs, ...);
 (d) `transformers`: `generate` at batch 128 on the same weights (its model is loaded from
-    the engine's `hf_state_dict()`) over the first 128 prompts of (a), after the engine's
-    KV cache is freed;
-    then everything is freed (`del`, `torch.cuda.empty_cache()`), and
+    the engine's `hf_state_dict()`) over the first 128 prompts of (a), after the engine
+    and its KV cache are freed (`del`, `torch.cuda.empty_cache()`);
+    (a) and (d) run in a spawned child process (`--same-process`: in this one), so that
+    when it exits the GPU is free for the server whatever a stray reference kept; then
 (b) `nostream`: the real tritonserver started with the profile (the whole ensemble, gRPC
     streaming protocol) with `stream=false`: one response per request;
 (c) `stream`: the same server with `stream=true` (a response per `stream_interval`
@@ -46,6 +47,7 @@ import gc
 import json
 import multiprocessing
 import os
+import queue
 import random
 import sys
 import time
@@ -203,28 +205,75 @@ def in_process_phases(profile, workload: Workload, prompt_ids: list[list[int]], 
     del engine  # its KV cache and CUDA graphs go; the weights stay for transformers
     out["memory_after_engine"] = free_gpu_memory()
     if run_transformers:
+        try:
+            out["transformers"] = transformers_phase(loaded, prompt_ids, workload, transformers_batch)
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: reported, the server phases still run
+            out["errors"] = {"transformers": f"{type(error).__name__}: {error}"}
+            print(f"[transformers] FAILED: {out['errors']['transformers']}", flush=True)
+    del loaded
+    out["memory_before_server"] = free_gpu_memory()
+    if torch.cuda.is_available():
+        print(f"[gpu] after freeing: {out['memory_before_server']}", flush=True)
+    return out
+
+
+def transformers_phase(loaded, prompt_ids: list[list[int]], workload: Workload, transformers_batch: int) -> dict:
+    """(d) `generate` at batch `transformers_batch` over the first prompts, on `loaded`'s weights."""
+    from perf import bench_gpu
+
+    model = None
+    try:
         model = bench_gpu.hf_model_from_loaded(loaded)
         batch = min(transformers_batch, len(prompt_ids))
         prompts = prompt_ids[:batch]
         bench_gpu.hf_generate_s(model, prompts[: min(8, batch)], 4)  # warm-up
         seconds = bench_gpu.hf_generate_s(model, prompts, workload.output_len)
         tokens = batch * workload.output_len
-        import transformers
+    finally:
+        del model
+        free_gpu_memory()
+    import transformers
 
-        out["transformers"] = {
-            "system": f"{PHASE_TITLES['transformers']} at batch {batch}", "requests": batch, "completed": batch,
+    print(f"[transformers] generate batch {batch}: {tokens:,} tokens in {seconds:.2f} s = "
+          f"{tokens / seconds:,.1f} tokens/s", flush=True)
+    return {"system": f"{PHASE_TITLES['transformers']} at batch {batch}", "requests": batch, "completed": batch,
             "batch": batch, "seconds": round(seconds, 3), "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / seconds, 1), "transformers_version": transformers.__version__,
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-        }
-        print(f"[transformers] generate batch {batch}: {tokens:,} tokens in {seconds:.2f} s = "
-              f"{tokens / seconds:,.1f} tokens/s", flush=True)
-        del model
-    del loaded
-    out["memory_before_server"] = free_gpu_memory()
-    if torch.cuda.is_available():
-        print(f"[gpu] after freeing: {out['memory_before_server']}", flush=True)
-    return out
+            "dtype": str(loaded.dtype).removeprefix("torch.")}
+
+
+def _in_process_child(result_queue, *args) -> None:
+    """(a) and (d) in a process of their own: when it exits the GPU is certainly free for the
+    server, whatever a reference kept alive."""
+    try:
+        result_queue.put(in_process_phases(*args))
+    except BaseException as error:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        traceback.print_exc()
+        result_queue.put({"errors": {"engine": f"{type(error).__name__}: {error}"}})
+
+
+def run_in_process_phases(*args, separate_process: bool = True) -> dict:
+    """`in_process_phases(*args)`, by default in a spawned child process (the engine still
+    runs in-process there: `LLM.generate`, no server)."""
+    if not separate_process:
+        return in_process_phases(*args)
+    context = multiprocessing.get_context("spawn")
+    result_queue = context.Queue()
+    child = context.Process(target=_in_process_child, args=(result_queue, *args))
+    child.start()
+    try:
+        while True:
+            try:
+                return result_queue.get(timeout=5)
+            except queue.Empty:
+                if not child.is_alive():
+                    return {"errors": {"engine": f"the engine's process died (exit status {child.exitcode})"}}
+    finally:
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
 
 
 # --- (b) and (c): client processes ---------------------------------------------------------------
@@ -551,6 +600,8 @@ def markdown(report: dict) -> str:
             f"{_fmt((phase.get('client') or {}).get('cores_used'), 2)} | "
             f"{_fmt((phase.get('server_cpu') or {}).get('cores_used'), 2)} | {delivered} |")
     lines.append("")
+    for name, error in (report.get("errors") or {}).items():
+        lines.append(f"- **{name} failed**: {error.splitlines()[0][:300] if error else ''}")
     for key, label in (("nostream_over_engine", "(b)/(a) stream=false"), ("stream_over_engine", "(c)/(a) stream=true")):
         ratio = report["ratios"].get(key)
         if ratio:
@@ -622,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "bench-gpu-server",
                         help="folder for the JSON, markdown and plot")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--same-process", action="store_true",
+                        help="run (a) and (d) in this process rather than a child process of their own")
     servers.add_server_arguments(parser)
     args = parser.parse_args(argv)
     skip = {item.strip() for item in args.skip.split(",") if item.strip()}
@@ -650,22 +703,32 @@ def main(argv: list[str] | None = None) -> int:
                     "overrides": {k: str(v) for k, v in overrides.items()}, "workload": asdict(workload),
                     "workload_text": workload.describe(), "client_procs": args.client_procs, "skipped": sorted(skip),
                     "server_options": options.describe(), "phases": {}}
+    errors: dict[str, str] = {}
     if not {"engine", "transformers"} <= skip:
-        in_process = in_process_phases(profile, workload, maker.ids(texts["engine"]), maker.ids(warm_texts),
-                                       "engine" not in skip, "transformers" not in skip, args.transformers_batch)
-        report["engine_parameters"] = in_process.pop("engine_parameters")
-        report["memory"] = {key: in_process.pop(key) for key in ("memory_after_engine", "memory_before_server")}
+        in_process = run_in_process_phases(
+            profile, workload, maker.ids(texts["engine"]), maker.ids(warm_texts), "engine" not in skip,
+            "transformers" not in skip, args.transformers_batch, separate_process=not args.same_process)
+        errors.update(in_process.pop("errors", {}))
+        report["engine_parameters"] = in_process.pop("engine_parameters", {})
+        report["memory"] = {key: in_process.pop(key, {}) for key in ("memory_after_engine", "memory_before_server")}
         report["phases"].update(in_process)
     server_texts = {name: texts[name] for name in ("nostream", "stream") if name not in skip}
     if server_texts:
-        served = server_phases(args.profile, overrides, workload, server_texts, warm_texts, args, tokenizer, options)
-        report["server"] = served.pop("server")
-        report["phases"].update(served)
+        try:
+            served = server_phases(args.profile, overrides, workload, server_texts, warm_texts, args, tokenizer,
+                                   options)
+            report["server"] = served.pop("server")
+            report["phases"].update(served)
+        except Exception as error:  # noqa: BLE001 - e.g. the server did not start: reported with the rest
+            errors["server"] = f"{type(error).__name__}: {error}"[:4000]
+            print(f"[server] FAILED: {errors['server']}", flush=True)
+    report["errors"] = errors
     report["ratios"] = ratios(report["phases"])
     for path in write_report(report, args.out, plots=not args.no_plots):
         print(f"wrote {path}")
     print(markdown(report))
     failed = [name for name, phase in report["phases"].items() if not phase.get("checks", {"all_ok": True})["all_ok"]]
+    failed += [f"{name} ({error})" for name, error in errors.items()]
     if failed:
         print(f"bench_gpu_server: checks FAILED in {', '.join(failed)}", file=sys.stderr)
         return 1
