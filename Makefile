@@ -23,7 +23,7 @@ SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
 .PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
-	bench-experiments perf-analyzer \
+	bench-experiments perf-analyzer bench-gpu-server plots-from-json \
 	bench-bookkeeping soak
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
@@ -120,8 +120,29 @@ test-fast: install
 lint: install
 	$(PY) -m ruff check inflightllm tools tests perf model_repo
 
+# A cpu profile: the engine benchmark (in-flight vs static vs transformers, perf/bench_engine.py).
+# A gpu profile: engine-only vs tritonserver (stream=false/true) vs transformers on one
+# workload (perf/bench_gpu_server.py; BENCH_ARGS="--num-requests 256" etc.).
 bench: install
-	$(PY) perf/bench_engine.py
+	@if $(PY) -c "import sys; from inflightllm.profile import load_profile; sys.exit(load_profile('$(PROFILE)').engine.device != 'gpu')"; then \
+		echo "$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS)"; \
+		$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS); \
+	else \
+		echo "$(PY) perf/bench_engine.py"; \
+		$(PY) perf/bench_engine.py; \
+	fi
+
+# perf/bench_gpu_server.py for any profile (a CPU profile at small sizes checks it end to end):
+#   make bench-gpu-server PROFILE=profiles/smollm2-cpu.yaml BENCH_ARGS="--num-requests 16 --input-len 16 --output-len 16 --client-procs 2"
+bench-gpu-server: install prepare-model
+	$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS)
+
+# Markdown and PNGs of saved results (e.g. fetched from the GPU host, which may lack
+# matplotlib): make plots-from-json JSON="dir/*.json" [PLOTS_OUT=dir]
+JSON ?=
+PLOTS_OUT ?=
+plots-from-json: install
+	$(PY) -m perf.plots --from-json $(JSON) $(if $(PLOTS_OUT),--out-dir $(PLOTS_OUT))
 
 # Benchmarks through a real tritonserver (perf/README.md). Each starts its own server(s) for
 # PROFILE on free ports and writes JSON, a markdown table and PNG plots under perf/results/.

@@ -46,7 +46,9 @@ def prompts_of(count: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    """Wait for the GPU (nothing to wait for on a CPU-only machine)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int = 30) -> dict:
@@ -119,9 +121,15 @@ def compute_floor(engine: Engine, requests: int, prompt_len: int, output_len: in
 
 
 def hf_model(engine: Engine):
+    return hf_model_from_loaded(engine.loaded)
+
+
+def hf_model_from_loaded(loaded):
+    """`transformers`' Llama on the same weights as a loaded model (`Engine.loaded`): the
+    GPU model's Hugging Face named views (`hf_state_dict()`), the CPU model's own state
+    dict (its names are Hugging Face's). The engine itself may be gone (its KV cache freed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    loaded = engine.loaded
     config = LlamaConfig(**{k: v for k, v in loaded.config.items() if k != "architectures"})
     default = torch.get_default_dtype()
     torch.set_default_dtype(loaded.dtype)
@@ -130,7 +138,13 @@ def hf_model(engine: Engine):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
-    model.load_state_dict(loaded.model.hf_state_dict(), strict=False)
+    weights = loaded.model.hf_state_dict() if hasattr(loaded.model, "hf_state_dict") else loaded.model.state_dict()
+    missing, _ = model.load_state_dict(weights, strict=False)
+    # Rotary buffers are computed, and a tied LM head is the embedding: nothing else may lack.
+    untied = [name for name in missing if "rotary" not in name
+              and not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    if untied:
+        raise RuntimeError(f"transformers model: weights missing from the loaded model: {untied[:5]}")
     return model.eval()
 
 

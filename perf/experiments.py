@@ -97,12 +97,12 @@ def _result(title: str, spec: WorkloadSpec, slo: SLO, series: list[dict], args) 
 
 
 def _run_variants(profile_path: Path, variants: list[tuple[str, dict, dict]], spec: WorkloadSpec, loads, tokenizer,
-                  max_seconds: float, slo: SLO, progress: bool) -> list[dict]:
+                  max_seconds: float, slo: SLO, progress: bool, options=None) -> list[dict]:
     from perf import servers
 
     all_series = []
     for name, overrides, serve_kwargs in variants:
-        with servers.serve_profile(profile_path, overrides, suffix=name, **serve_kwargs) as served:
+        with servers.serve_profile(profile_path, overrides, suffix=name, options=options, **serve_kwargs) as served:
             all_series.append(loadgen.run_series(
                 name, served.server.grpc_url, served.server.metrics_url, spec, loads, tokenizer, max_seconds,
                 slo=slo, server=served.describe(), progress=progress))
@@ -117,7 +117,8 @@ def inflight_vs_static(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     loads = loadgen.parse_loads(cfg["concurrency"], cfg.get("rate"))
     series = _run_variants(args.profile, [("in-flight", {"engine.batching_strategy": "inflight"}, {}),
                                           ("static", {"engine.batching_strategy": "static"}, {})],
-                           spec, loads, tokenizer, cfg["max_seconds"], slo, not args.no_progress)
+                           spec, loads, tokenizer, cfg["max_seconds"], slo, not args.no_progress,
+                           args.server_options)
     lines = ["| batching | load | req/s | out tok/s | e2e p99 all (ms) | e2e p99 short (ms) | e2e p50 short (ms) | "
              "TTFT p99 short (ms) | e2e p99 long (ms) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in series:
@@ -150,7 +151,8 @@ def prefix_cache(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     loads = loadgen.parse_loads(cfg["concurrency"], cfg.get("rate"))
     series = _run_variants(args.profile, [("prefix cache on", {"engine.enable_kv_cache_reuse": True}, {}),
                                           ("prefix cache off", {"engine.enable_kv_cache_reuse": False}, {})],
-                           spec, loads, tokenizer, cfg["max_seconds"], slo, not args.no_progress)
+                           spec, loads, tokenizer, cfg["max_seconds"], slo, not args.no_progress,
+                           args.server_options)
     lines = ["| prefix cache | load | req/s | out tok/s | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | "
              "prompt tokens from the cache | engine hit rate |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in series:
@@ -233,8 +235,8 @@ def dynamic_batching(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     loads = [Load("concurrency", c) for c in concurrencies]
     series, unary = [], {}
     for name, enabled in (("dynamic batching on", True), ("dynamic batching off", False)):
-        with servers.serve_profile(args.profile, {}, suffix="dynbatch",
-                                   preprocessing_dynamic_batching=enabled) as served:
+        with servers.serve_profile(args.profile, {}, suffix="dynbatch", preprocessing_dynamic_batching=enabled,
+                                   options=args.server_options) as served:
             unary[name] = [asyncio.run(unary_point(served.server.grpc_url, "preprocessing", c, spec.num_requests,
                                                    cfg["max_seconds"])) for c in concurrencies]
             for row in unary[name]:
@@ -277,7 +279,8 @@ def triton_vs_engine(args, cfg, profile, tokenizer) -> tuple[dict, str, list]:
     spec, slo = cfg["workload"], cfg["slo"]
     loads = loadgen.parse_loads(cfg.get("concurrency"), cfg.get("rate"))
     series = _run_variants(args.profile, [("tritonserver (ensemble, gRPC streaming)", {}, {})], spec, loads,
-                           tokenizer, cfg["max_seconds"], slo, not args.no_progress)
+                           tokenizer, cfg["max_seconds"], slo, not args.no_progress,
+                           args.server_options)
     # The engine in-process, the same requests as the Triton point (seed + point index 0).
     requests = build_requests(spec, tokenizer)
     prompts = [tokenizer.encode(r.inputs["text_input"], add_special_tokens=False) for r in requests]
@@ -317,7 +320,7 @@ RUNNERS = {"inflight-vs-static": inflight_vs_static, "prefix-cache": prefix_cach
 def main(argv: list[str] | None = None) -> int:
     from inflightllm.model_source import load_tokenizer
     from inflightllm.profile import DEFAULT_PROFILE, load_profile
-    from perf import plots
+    from perf import plots, servers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -332,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="triton-vs-engine: torch threads of the in-process engine (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
+    servers.add_server_arguments(parser)
     args = parser.parse_args(argv)
+    args.server_options = servers.server_options(args)
     args.command = loadgen.command_line("perf.experiments", argv)
     args.meta = loadgen.run_metadata(args.command)  # at the start: the commit that ran
 
@@ -351,9 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(profile.model)
     result, comparison, charts = RUNNERS[args.experiment](args, cfg, profile, tokenizer)
     out = args.out or loadgen.RESULTS_DIR / f"{args.experiment}-{profile.name}"
-    written = loadgen.write_result(result, out, extra_markdown=comparison + "\n")
-    for groups, panels in charts:
-        written.append(plots.bar_chart(groups, panels, out.with_name(out.name + "-bars.png")))
+    # Kept in the JSON, so that `python -m perf.plots --from-json` can redo the markdown and
+    # the bar chart elsewhere (the GPU host may lack matplotlib).
+    result["extra_markdown"] = comparison + "\n"
+    result["charts"] = [[groups, [[title, values] for title, values in panels]] for groups, panels in charts]
+    written = loadgen.write_result(result, out, plots=not args.no_plots)
+    if not args.no_plots and plots.available():
+        for groups, panels in charts:
+            written.append(plots.bar_chart(groups, panels, out.with_name(out.name + "-bars.png")))
     for path in written:
         print(f"wrote {path}")
     print(comparison)

@@ -544,25 +544,37 @@ def label_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_result(result: dict, out: Path, plots: bool = True, extra_markdown: str = "") -> list[Path]:
-    """`out`.json, `out`.md and (with plots) `out`-*.png; returns the written paths."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written = [out.with_suffix(".json"), out.with_suffix(".md")]
-    written[0].write_text(json.dumps(result, indent=1) + "\n")
+def markdown_document(result: dict, name: str, extra_markdown: str = "") -> str:
+    """The `.md` of a result: header (date, commit, machine, command, workload), then
+    `extra_markdown` (an experiment's comparison), then the tables."""
     meta = result["meta"]
-    header = (f"# {result.get('title', out.name)}\n\n{meta['date_utc']} UTC, commit `{meta['commit']}`, "
+    header = (f"# {result.get('title', name)}\n\n{meta['date_utc']} UTC, commit `{meta['commit']}`, "
               f"{meta['machine']}{', ' + meta['gpu'] if meta.get('gpu') else ''}\n\n"
               f"Command: `{meta['command']}`\n\nWorkload: {result['workload_text']}. SLO for goodput: "
               f"{result['slo']}.\n\n")
     body = markdown_table(result)
     if any(len(point["by_label"]) > 1 for series in result["series"] for point in series["points"]):
         body += "\n" + label_table(result)
-    written[1].write_text(header + extra_markdown + body)
+    return header + extra_markdown + body
+
+
+def write_result(result: dict, out: Path, plots: bool = True, extra_markdown: str | None = None) -> list[Path]:
+    """`out`.json, `out`.md and (with plots, when matplotlib is there) `out`-*.png; returns
+    the written paths. `extra_markdown` defaults to the result's own `extra_markdown`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = [out.with_suffix(".json"), out.with_suffix(".md")]
+    written[0].write_text(json.dumps(result, indent=1) + "\n")
+    if extra_markdown is None:
+        extra_markdown = result.get("extra_markdown", "")
+    written[1].write_text(markdown_document(result, out.name, extra_markdown))
     if plots:
         from perf import plots as plotting
 
-        written += plotting.plot_all(result, out)
+        if plotting.available():
+            written += plotting.plot_all(result, out)
+        else:
+            print(plotting.MISSING, file=sys.stderr)
     return written
 
 
@@ -625,11 +637,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="the series' name in tables and plots")
     parser.add_argument("--out", type=Path, default=None,
                         help="output path without suffix (default perf/results/loadgen-<workload>-<profile>)")
+    from perf import servers
+
+    servers.add_server_arguments(parser)
     args = parser.parse_args(argv)
 
     from inflightllm.model_source import load_tokenizer
     from inflightllm.profile import load_profile
-    from perf import servers
 
     meta = run_metadata(command_line("perf.loadgen", argv))  # at the start: the commit that ran
     loads = parse_loads(args.concurrency, args.rate)
@@ -644,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         series = run_series(name, args.url, args.metrics_url, server={"url": args.url}, **common)
     else:
-        with servers.serve_profile(args.profile, overrides, suffix="loadgen") as served:
+        with servers.serve_profile(args.profile, overrides, suffix="loadgen",
+                                   options=servers.server_options(args)) as served:
             series = run_series(name, served.server.grpc_url, served.server.metrics_url,
                                 server=served.describe(), **common)
     result = {"title": f"Load generator: {spec.name} workload", "meta": meta,

@@ -33,9 +33,9 @@ DEFAULT_RANGE = {"cpu": "1:16:5", "gpu": "8:128:40"}
 
 
 def perf_analyzer_command(grpc_url: str, input_data: Path, concurrency_range: str, request_count: int,
-                          csv_path: Path, export_path: Path) -> list[str]:
+                          csv_path: Path, export_path: Path, perf_analyzer: Path = WRAPPER) -> list[str]:
     return [
-        str(WRAPPER), "-m", "ensemble", "-i", "grpc", "--streaming", "-u", grpc_url,
+        str(perf_analyzer), "-m", "ensemble", "-i", "grpc", "--streaming", "-u", grpc_url,
         "--input-data", str(input_data), "--concurrency-range", concurrency_range,
         # Windows close after N finished requests, not after a time (a slow machine cannot
         # leave a window empty); three windows per point, all accepted as stable.
@@ -74,7 +74,9 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from perf.plots import _save, plt
+    from perf.plots import _require, _save, plt
+
+    _require()
 
     fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(10, 3.6))
     c = [r["concurrency"] for r in rows]
@@ -103,9 +105,28 @@ def _display(path: Path) -> str:
     return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.as_posix()
 
 
-def report(out: Path) -> list[Path]:
+def sweep_markdown(record: dict) -> str:
+    """The `.md` of a sweep's JSON record (meta, rows)."""
+    meta, rows = record["meta"], record["rows"]
+    lines = [f"# perf_analyzer sweep ({record['profile_name']})", "",
+             f"{meta['date_utc']} UTC, commit `{meta['commit']}`, {meta['machine']}"
+             f"{', ' + meta['gpu'] if meta.get('gpu') else ''}, load average "
+             f"{meta.get('load_average_1m_at_start')} at the start", "",
+             f"Command: `{meta['command']}`; input data `{record['input_data']}`.", "",
+             "| concurrency | requests/s | responses/s | TTFT p50 / p99 ms | inter-response p50 / p99 ms | "
+             "last response p50 / p99 ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.2f} | {r['responses_per_s']:.1f} | "
+                     f"{r.get('ttft_p50_ms')} / {r.get('ttft_p99_ms')} | {r.get('inter_response_p50_ms')} / "
+                     f"{r.get('inter_response_p99_ms')} | {r.get('last_response_p50_ms')} / {r.get('last_response_p99_ms')} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path, plots: bool = True) -> list[Path]:
     """From the kept CSV and export (and the run's `out`.json): per-concurrency rows into
-    `out`.json, a table `out`.md and a plot `out`.png."""
+    `out`.json, a table `out`.md and (with plots, when matplotlib is there) a plot `out`.png."""
+    from perf import plots as plotting
+
     csv_path, export_path, json_path = out.with_suffix(".csv"), out.with_name(out.name + "-export.json"), out.with_suffix(".json")
     record = json.loads(json_path.read_text())
     figures = {row["concurrency"]: row for row in export_figures(json.loads(export_path.read_text()))}
@@ -117,20 +138,15 @@ def report(out: Path) -> list[Path]:
                      **{k: v for k, v in figures.get(c, {}).items() if k != "concurrency"}})
     record["rows"] = rows
     json_path.write_text(json.dumps(record, indent=1) + "\n")
-    meta = record["meta"]
-    lines = [f"# perf_analyzer sweep ({record['profile_name']})", "",
-             f"{meta['date_utc']} UTC, commit `{meta['commit']}`, {meta['machine']}, load average "
-             f"{meta.get('load_average_1m_at_start')} at the start", "",
-             f"Command: `{meta['command']}`; input data `{record['input_data']}`.", "",
-             "| concurrency | requests/s | responses/s | TTFT p50 / p99 ms | inter-response p50 / p99 ms | "
-             "last response p50 / p99 ms |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.2f} | {r['responses_per_s']:.1f} | "
-                     f"{r.get('ttft_p50_ms')} / {r.get('ttft_p99_ms')} | {r.get('inter_response_p50_ms')} / "
-                     f"{r.get('inter_response_p99_ms')} | {r.get('last_response_p50_ms')} / {r.get('last_response_p99_ms')} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return [csv_path, export_path, json_path, out.with_suffix(".md"), plot(rows, out.with_suffix(".png"))]
+    text = sweep_markdown(record)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    written = [csv_path, export_path, json_path, out.with_suffix(".md")]
+    if plots and plotting.available():
+        written.append(plot(rows, out.with_suffix(".png")))
+    elif plots:
+        print(plotting.MISSING, file=sys.stderr)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--report-only", action="store_true",
                         help="redo the table and plot from the kept CSV and export of --out")
+    parser.add_argument("--perf-analyzer", type=Path, default=None,
+                        help="the perf_analyzer to run (default build/bin/perf_analyzer, or the bundle's)")
+    parser.add_argument("--no-plots", action="store_true", help="write CSV, JSON and markdown only")
+    servers.add_server_arguments(parser)
     args = parser.parse_args(argv)
+    options = servers.server_options(args)
     if args.report_only:
-        report(args.out or loadgen.RESULTS_DIR / f"perf-analyzer-{load_profile(args.profile).name}")
+        report(args.out or loadgen.RESULTS_DIR / f"perf-analyzer-{load_profile(args.profile).name}",
+               plots=not args.no_plots)
         return 0
-    if not WRAPPER.exists():
-        print(f"{WRAPPER} is missing: run `make install`", file=sys.stderr)
+    perf_analyzer = args.perf_analyzer or options.perf_analyzer
+    if not perf_analyzer.exists():
+        print(f"{perf_analyzer} is missing: run `make install` (or install the bundle's part 1)", file=sys.stderr)
         return 2
     meta = loadgen.run_metadata(loadgen.command_line("perf.perf_analyzer_sweep", argv))  # the commit that ran
     profile = load_profile(args.profile)
@@ -164,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(url: str) -> subprocess.CompletedProcess:
         command = perf_analyzer_command(url, args.input_data, concurrency_range, args.request_count,
-                                        csv_path, export_path)
+                                        csv_path, export_path, perf_analyzer)
         print(" ".join(command), flush=True)
         return subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
 
     if args.url:
         result, server = run(args.url), {"url": args.url}
     else:
-        with servers.serve_profile(args.profile) as served:
+        with servers.serve_profile(args.profile, options=options) as served:
             result, server = run(served.server.grpc_url), served.describe()
     print(result.stdout[-4000:])
     if result.returncode != 0:
@@ -180,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     (out.with_suffix(".json")).write_text(json.dumps(
         {"meta": meta, "server": server, "profile_name": profile.name, "input_data": _display(args.input_data)},
         indent=1) + "\n")
-    for path in report(out):
+    for path in report(out, plots=not args.no_plots):
         print(f"wrote {path}")
     return 0
 

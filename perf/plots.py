@@ -6,18 +6,41 @@
 - `<out>-kv-cache.png`: KV-cache usage and running/waiting requests over time, read from
   the server's metrics endpoint while each point ran;
 - `bar_chart`: side-by-side bars for the experiments (perf/experiments.py).
+
+matplotlib is optional (the GPU host may not have it): without it `available()` is False
+and the writers of results skip their plots with `MISSING`. Later, on a machine that has
+it, `python -m perf.plots --from-json FILE.json ... [--out-dir DIR]` renders the PNGs and
+rewrites the markdown of any saved result (load generator, experiment, perf_analyzer
+sweep, perf/bench_gpu_server.py).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # plots are skipped; see MISSING
+    plt = None
 
 DPI = 80
+MISSING = ("matplotlib is missing here: plots skipped. Render them later from the saved JSON with "
+           "`python -m perf.plots --from-json FILE.json ...`")
+
+
+def available() -> bool:
+    """Whether matplotlib can be used here."""
+    return plt is not None
+
+
+def _require() -> None:
+    if plt is None:
+        raise RuntimeError(MISSING)
 
 
 def _load_text(load: dict) -> str:
@@ -27,6 +50,7 @@ def _load_text(load: dict) -> str:
 
 
 def _save(fig, path: Path) -> Path:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -110,6 +134,7 @@ def plot_kv_cache(result: dict, path: Path) -> Path:
 
 
 def plot_all(result: dict, out: Path) -> list[Path]:
+    _require()
     out = Path(out)
     return [
         plot_latency(result, out.with_name(out.name + "-latency.png")),
@@ -126,6 +151,7 @@ def _number(value) -> str:
 
 def bar_chart(groups: list[str], panels: list[tuple[str, dict[str, list[float]]]], path: Path) -> Path:
     """`panels`: (title, {variant: [value per group]}); one subplot per panel, bars side by side."""
+    _require()
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4))
     axes = axes if len(panels) > 1 else [axes]
     for ax, (title, variants) in zip(axes, panels):
@@ -141,15 +167,59 @@ def bar_chart(groups: list[str], panels: list[tuple[str, dict[str, list[float]]]
     return _save(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Redraw a saved result's plots: python -m perf.plots perf/results/NAME.json"""
-    import argparse
-    import json
+def render_from_json(path: Path, out_dir: Path | None = None) -> list[Path]:
+    """Markdown and PNGs of a saved result, written beside it or into `out_dir` (for a
+    read-only folder of fetched results). Recognises a load generator / experiment result
+    (`series`), a perf_analyzer sweep (`rows`) and a perf/bench_gpu_server.py report (`phases`)."""
+    path = Path(path)
+    result = json.loads(path.read_text())
+    out = (Path(out_dir) / path.stem) if out_dir else path.with_suffix("")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if "series" in result:
+        from perf import loadgen
 
-    parser = argparse.ArgumentParser(description="Redraw the load generator's plots from a saved JSON result.")
-    parser.add_argument("result", type=Path)
+        written = loadgen.write_result(result, out, plots=True)
+        for groups, panels in result.get("charts", []):
+            written.append(bar_chart(groups, panels, out.with_name(out.name + "-bars.png")))
+        return written
+    if "rows" in result and "input_data" in result:
+        from perf import perf_analyzer_sweep
+
+        md = out.with_suffix(".md")
+        md.write_text(perf_analyzer_sweep.sweep_markdown(result))
+        if out.with_suffix(".json") != path:
+            out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        return [md, perf_analyzer_sweep.plot(result["rows"], out.with_suffix(".png"))]
+    if "phases" in result:
+        from perf import bench_gpu_server
+
+        return bench_gpu_server.write_report(result, out.parent, out.name, plots=True)
+    raise SystemExit(f"{path}: not a result this module knows (no 'series', 'rows' or 'phases')")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw a saved result's plots: python -m perf.plots perf/results/NAME.json, or
+    python -m perf.plots --from-json A.json B.json [--out-dir DIR] for any saved result."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Redraw plots (and markdown) from saved JSON results.")
+    parser.add_argument("result", type=Path, nargs="?", help="a load generator result: its plots only")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=[], metavar="FILE",
+                        help="any saved result (load generator, experiment, perf_analyzer sweep, bench_gpu_server): "
+                             "markdown and PNGs")
+    parser.add_argument("--out-dir", type=Path, default=None, help="with --from-json: write there, not beside the JSON")
     args = parser.parse_args(argv)
-    for path in plot_all(json.loads(args.result.read_text()), args.result.with_suffix("")):
+    if not available():
+        print(MISSING, file=sys.stderr)
+        return 2
+    if args.result is None and not args.from_json:
+        parser.error("give a result file or --from-json FILE ...")
+    written = []
+    if args.result is not None:
+        written += plot_all(json.loads(args.result.read_text()), args.result.with_suffix(""))
+    for path in args.from_json:
+        written += render_from_json(path, args.out_dir)
+    for path in written:
         print(f"wrote {path}")
     return 0
 

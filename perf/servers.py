@@ -10,10 +10,17 @@ One benchmark switch is not a profile key: `preprocessing_dynamic_batching=False
 removes the `dynamic_batching { }` block from the rendered preprocessing config (Triton's
 default scheduler then hands `execute` one request at a time), so "dynamic batching off"
 can be measured without a new profile key.
+
+On the air-gapped GPU host the server comes from the installed bundle: `--bundle PREFIX`
+(`add_server_arguments`) takes its server folder (`PREFIX/tritonserver`), renders the
+tokenizer models into its NumPy < 2 venv (`PREFIX/venv-np1`, EXECUTION_ENV_PATH) and names
+its perf_analyzer (`PREFIX/bin/perf_analyzer`); `--server-dir`/`--tokenizer-env` set
+one of them alone, `--server-log-dir` keeps each server's log.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 from collections.abc import Iterator
@@ -26,7 +33,7 @@ from inflightllm.model_source import prepare
 from inflightllm.profile import Profile, load_profile
 from tools import render_configs
 from tools.serve import repository_for
-from tools.server_launcher import TritonServer
+from tools.server_launcher import DEFAULT_SERVER_DIR, TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_BUILD_DIR = REPO_ROOT / "build" / "bench"
@@ -79,6 +86,54 @@ def disable_preprocessing_dynamic_batching(repository: Path) -> None:
 
 
 @dataclass
+class ServerOptions:
+    """Where the server comes from: its folder, the tokenizer models' venv (None: none),
+    the perf_analyzer to run against it, and where server logs go (None: temporary)."""
+
+    server_dir: Path = DEFAULT_SERVER_DIR
+    tokenizer_env: Path | None = None
+    perf_analyzer: Path = REPO_ROOT / "build" / "bin" / "perf_analyzer"
+    log_dir: Path | None = None
+
+    def describe(self) -> dict:
+        return {"server_dir": str(self.server_dir), "tokenizer_env": str(self.tokenizer_env or ""),
+                "perf_analyzer": str(self.perf_analyzer)}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bundle / --server-dir / --tokenizer-env / --server-log-dir (see `server_options`)."""
+    parser.add_argument("--bundle", type=Path, default=None, metavar="PREFIX",
+                        help="serve from an installed bundle (tools/bundle_install.py), e.g. ~/inflightllm-bundle: "
+                             "its tritonserver/, venv-np1/ and bin/perf_analyzer")
+    parser.add_argument("--server-dir", type=Path, default=None,
+                        help=f"the tritonserver folder (default {DEFAULT_SERVER_DIR.relative_to(REPO_ROOT)}, or the bundle's)")
+    parser.add_argument("--tokenizer-env", type=Path, default=None,
+                        help="NumPy < 2 venv for preprocessing/postprocessing (default none, or the bundle's venv-np1)")
+    parser.add_argument("--server-log-dir", type=Path, default=None,
+                        help="keep each server's log there as tritonserver-<profile>.log")
+
+
+def server_options(args) -> ServerOptions:
+    """The options of `add_server_arguments` as a `ServerOptions`."""
+    options = ServerOptions()
+    bundle = getattr(args, "bundle", None)
+    if bundle is not None:
+        bundle = Path(bundle).expanduser().absolute()
+        options.server_dir = bundle / "tritonserver"
+        options.tokenizer_env = bundle / "venv-np1"
+        options.perf_analyzer = bundle / "bin" / "perf_analyzer"
+    if getattr(args, "server_dir", None) is not None:
+        options.server_dir = Path(args.server_dir).expanduser().absolute()
+    if getattr(args, "tokenizer_env", None) is not None:
+        options.tokenizer_env = Path(args.tokenizer_env).expanduser().absolute()
+    if getattr(args, "server_log_dir", None) is not None:
+        options.log_dir = Path(args.server_log_dir).absolute()
+    if options.tokenizer_env is not None and not (options.tokenizer_env / "bin" / "activate").is_file():
+        raise SystemExit(f"--tokenizer-env: {options.tokenizer_env} is not a venv (no bin/activate)")
+    return options
+
+
+@dataclass
 class ServedProfile:
     """A running server and what it serves."""
 
@@ -103,23 +158,32 @@ class ServedProfile:
             "preprocessing_dynamic_batching": self.preprocessing_dynamic_batching,
             "preferred_batch_size": list(self.profile.preferred_batch_size),
             "max_queue_delay_microseconds": self.profile.max_queue_delay_microseconds,
+            "server_dir": str(self.server.server_dir),
+            "repository": str(self.repository),
         }
 
 
 @contextlib.contextmanager
 def serve_profile(profile_path: Path, overrides: dict[str, object] | None = None, suffix: str = "variant",
-                  preprocessing_dynamic_batching: bool = True, timeout: float = 600.0) -> Iterator[ServedProfile]:
+                  preprocessing_dynamic_batching: bool = True, timeout: float = 600.0,
+                  options: ServerOptions | None = None) -> Iterator[ServedProfile]:
     """Render (if needed) and start a tritonserver on free loopback ports; stop it afterwards."""
+    options = options or ServerOptions()
     path = variant_profile(Path(profile_path), overrides or {}, suffix)
     profile = load_profile(path)
+    tokenizer_env = str(options.tokenizer_env) if options.tokenizer_env else None
     if preprocessing_dynamic_batching:
-        repository = repository_for(profile, build_dir=BENCH_BUILD_DIR)
+        repository = repository_for(profile, build_dir=BENCH_BUILD_DIR, tokenizer_env=tokenizer_env)
     else:
         repository = BENCH_BUILD_DIR / f"repo-{profile.name}-no-dynamic-batching"
-        render_configs.render(profile, repository)
+        render_configs.render(profile, repository, tokenizer_env=tokenizer_env)
         disable_preprocessing_dynamic_batching(repository)
     prepare(profile.model)  # convert the model before the server's model load
-    server = TritonServer(repository)
+    log_path = None
+    if options.log_dir is not None:
+        options.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = options.log_dir / f"tritonserver-{repository.name}.log"
+    server = TritonServer(repository, server_dir=options.server_dir, log_path=log_path)
     server.start(timeout=timeout)
     try:
         yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching)

