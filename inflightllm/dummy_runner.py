@@ -18,6 +18,7 @@ fails alone with an error that says so.
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from pathlib import Path
 
@@ -39,7 +40,7 @@ LOGPROBS_REFUSED = (
 def describe_model(spec: ModelSpec) -> LoadedModel:
     """The model's config, architecture numbers and EOS ids, without weights (`model` is None)."""
     folder = prepare(spec)
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     return LoadedModel(
         model=None,
         arch=LlamaArch.from_config(config),
@@ -57,7 +58,7 @@ def special_token_ids(folder: Path) -> set[int]:
     path = folder / "tokenizer.json"
     if not path.is_file():
         return set()
-    return {int(token["id"]) for token in json.loads(path.read_text()).get("added_tokens", [])}
+    return {int(token["id"]) for token in json.loads(path.read_text(encoding="utf-8")).get("added_tokens", [])}
 
 
 def token_pool(loaded: LoadedModel) -> list[int]:
@@ -98,6 +99,11 @@ class DummyRunner:
         return CompletedStep(self.execute(step))
 
     def execute(self, step: StepDescription) -> SampledTokens:
+        # A model runner waits for its device with the GIL released; the dummy has nothing
+        # to wait for, so it yields the GIL once per step (a zero-length wait). Without it
+        # the loop thread, which then never blocks, holds the GIL for whole switch intervals
+        # (5 ms) and starves the response sender thread it is meant to measure.
+        time.sleep(0)
         for request_id in step.finished_request_ids:
             self._prompt_keys.pop(request_id, None)
         # No KV memory: swaps move nothing. The states keep the tokens and block tables.
