@@ -10,6 +10,13 @@ One benchmark switch is not a profile key: `preprocessing_dynamic_batching=False
 removes the `dynamic_batching { }` block from the rendered preprocessing config (Triton's
 default scheduler then hands `execute` one request at a time), so "dynamic batching off"
 can be measured without a new profile key.
+
+Likewise `postprocessing_dynamic_batching=True` adds `dynamic_batching { preserve_ordering:
+true }` (no queue delay) to the rendered postprocessing config, so that Triton hands its
+`execute` every piece waiting at once and the batched decode can be measured. It is a
+measurement switch only: behind a dynamic batcher Triton 2.51 drops the cancelled pieces
+that postprocessing relays to the engine, so a client's cancellation would not reach it
+(docs/INTERFACE.md).
 """
 
 from __future__ import annotations
@@ -78,6 +85,21 @@ def disable_preprocessing_dynamic_batching(repository: Path) -> None:
     config.write_text(stripped)
 
 
+POSTPROCESSING_DYNAMIC_BATCHING = (
+    "\n# Added by perf/servers.py (a measurement switch): every waiting piece in one execute call.\n"
+    "dynamic_batching {\n  preserve_ordering: true\n}\n"
+)
+
+
+def enable_postprocessing_dynamic_batching(repository: Path) -> None:
+    """Add a `dynamic_batching` block (no delay, order kept) to `repository/postprocessing/config.pbtxt`."""
+    config = repository / "postprocessing" / "config.pbtxt"
+    text = config.read_text()
+    if "dynamic_batching" in text:
+        raise RuntimeError(f"{config}: already has a dynamic_batching block")
+    config.write_text(text + POSTPROCESSING_DYNAMIC_BATCHING)
+
+
 @dataclass
 class ServedProfile:
     """A running server and what it serves."""
@@ -86,6 +108,7 @@ class ServedProfile:
     repository: Path
     server: TritonServer
     preprocessing_dynamic_batching: bool
+    postprocessing_dynamic_batching: bool = False
 
     def describe(self) -> dict:
         engine = self.profile.engine
@@ -101,6 +124,7 @@ class ServedProfile:
             "stream_interval": engine.stream_interval,
             "preprocessing_instances": self.profile.instances_preprocessing,
             "preprocessing_dynamic_batching": self.preprocessing_dynamic_batching,
+            "postprocessing_dynamic_batching": self.postprocessing_dynamic_batching,
             "preferred_batch_size": list(self.profile.preferred_batch_size),
             "max_queue_delay_microseconds": self.profile.max_queue_delay_microseconds,
         }
@@ -108,20 +132,27 @@ class ServedProfile:
 
 @contextlib.contextmanager
 def serve_profile(profile_path: Path, overrides: dict[str, object] | None = None, suffix: str = "variant",
-                  preprocessing_dynamic_batching: bool = True, timeout: float = 600.0) -> Iterator[ServedProfile]:
+                  preprocessing_dynamic_batching: bool = True, timeout: float = 600.0,
+                  postprocessing_dynamic_batching: bool = False) -> Iterator[ServedProfile]:
     """Render (if needed) and start a tritonserver on free loopback ports; stop it afterwards."""
     path = variant_profile(Path(profile_path), overrides or {}, suffix)
     profile = load_profile(path)
-    if preprocessing_dynamic_batching:
+    if preprocessing_dynamic_batching and not postprocessing_dynamic_batching:
         repository = repository_for(profile, build_dir=BENCH_BUILD_DIR)
     else:
-        repository = BENCH_BUILD_DIR / f"repo-{profile.name}-no-dynamic-batching"
+        switches = ("" if preprocessing_dynamic_batching else "-no-dynamic-batching") + (
+            "-batched-postprocessing" if postprocessing_dynamic_batching else "")
+        repository = BENCH_BUILD_DIR / f"repo-{profile.name}{switches}"
         render_configs.render(profile, repository)
-        disable_preprocessing_dynamic_batching(repository)
+        if not preprocessing_dynamic_batching:
+            disable_preprocessing_dynamic_batching(repository)
+        if postprocessing_dynamic_batching:
+            enable_postprocessing_dynamic_batching(repository)
     prepare(profile.model)  # convert the model before the server's model load
     server = TritonServer(repository)
     server.start(timeout=timeout)
     try:
-        yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching)
+        yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching,
+                            postprocessing_dynamic_batching)
     finally:
         server.stop()
