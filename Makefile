@@ -24,7 +24,7 @@ SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 .PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
 	bench-experiments perf-analyzer bench-gpu-server plots-from-json \
-	bench-bookkeeping soak
+	bench-bookkeeping soak bench-pieces
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -171,6 +171,11 @@ bench-experiments: bench-inflight-static bench-prefix-cache bench-dynamic-batchi
 # perf_analyzer --streaming over a concurrency range; keeps its CSV and plots it.
 perf-analyzer: install prepare-model
 	$(PY) -m perf.perf_analyzer_sweep --profile $(PROFILE) $(BENCH_ARGS)
+
+# Pieces/s through the ensemble at stream_interval 1, concurrency 1,16,64,256: the dummy engine
+# alone (default and batched postprocessing) and SmolLM2 on CPU (perf/bench_pieces.py).
+bench-pieces: install prepare-model
+	OMP_NUM_THREADS=1 $(PY) -m perf.bench_pieces $(BENCH_ARGS)
 
 # Host time per engine step at 256 running and 5,000 waiting requests (no model).
 bench-bookkeeping: install

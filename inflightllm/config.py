@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 BATCHING_STRATEGIES = ("inflight", "static")
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICE_KINDS = ("cpu", "gpu")
+# "dummy": no model compute, deterministic tokens (inflightllm.dummy_runner; a measurement tool).
+RUNNERS = ("model", "dummy")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class EngineConfig:
     step_timeout_s: float = 60.0  # tensor parallel: a step longer than this fails the engine (a rank hung)
     num_kv_blocks: int = 0  # 0: derive from the memory budget; > 0: exactly this many (tests)
     fault_injection: bool = False  # tests only: requests with the seeds of inflightllm.faults fail on purpose
+    runner: str = "model"  # model | dummy (no model compute: measures the response path alone)
 
     def to_parameters(self) -> dict[str, str]:
         params = {}

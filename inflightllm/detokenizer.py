@@ -58,6 +58,41 @@ def _drop_incomplete_tail(text: str) -> str:
     return text[:-1] if text.endswith(REPLACEMENT_CHARACTER) else text
 
 
+def decode_texts(tokenizer, sequences: Sequence[Sequence[int]]) -> list[str]:
+    """`decode_text` of each sequence, with one tokenizer call for all of them.
+
+    A transformers fast tokenizer decodes the batch in its Rust backend
+    (`backend_tokenizer.decode_batch`): the same decode as `tokenizer.decode` with
+    `skip_special_tokens=True, clean_up_tokenization_spaces=False`, without its Python
+    overhead per sequence. Any other tokenizer gets `batch_decode` with the same options.
+    Empty sequences are "" without a call.
+    """
+    id_lists = [[int(token) for token in sequence] for sequence in sequences]
+    texts = [""] * len(id_lists)
+    todo = [index for index, ids in enumerate(id_lists) if ids]
+    if not todo:
+        return texts
+    batch = [id_lists[index] for index in todo]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch"):
+        decoded = backend.decode_batch(batch, skip_special_tokens=True)
+    else:
+        decoded = tokenizer.batch_decode(batch, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    for index, text in zip(todo, decoded, strict=True):
+        texts[index] = text
+    return texts
+
+
+def _piece_text(full: str, before: str, final: bool) -> str:
+    """The piece from the decodes of `context + new` (`full`) and of `context` (`before`)."""
+    if not final:
+        full = _drop_incomplete_tail(full)
+    before = _drop_incomplete_tail(before)
+    if full.startswith(before):
+        return full[len(before):]
+    return full[len(os.path.commonprefix([full, before])):]
+
+
 def decode_piece(
     tokenizer, context_ids: Sequence[int], new_ids: Sequence[int], final: bool
 ) -> str:
@@ -72,12 +107,24 @@ def decode_piece(
     start: the best stateless guess, which may repeat or lose a character.
     """
     full = decode_text(tokenizer, list(context_ids) + list(new_ids))
-    if not final:
-        full = _drop_incomplete_tail(full)
-    before = _drop_incomplete_tail(decode_text(tokenizer, context_ids))
-    if full.startswith(before):
-        return full[len(before):]
-    return full[len(os.path.commonprefix([full, before])):]
+    return _piece_text(full, decode_text(tokenizer, context_ids), final)
+
+
+def decode_pieces(
+    tokenizer, pieces: Sequence[tuple[Sequence[int], Sequence[int], bool]]
+) -> list[str]:
+    """`decode_piece` of each `(context_ids, new_ids, final)`, with one tokenizer call
+    (`decode_texts`) for the two decodes of every piece. Each piece keeps its own
+    context, so pieces of different requests (and several of one) mix freely."""
+    sequences: list[list[int]] = []
+    for context_ids, new_ids, _ in pieces:
+        sequences.append(list(context_ids) + list(new_ids))
+        sequences.append(list(context_ids))
+    texts = decode_texts(tokenizer, sequences)
+    return [
+        _piece_text(texts[2 * index], texts[2 * index + 1], final)
+        for index, (_, _, final) in enumerate(pieces)
+    ]
 
 
 class IncrementalDetokenizer:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
-from inflightllm.config import EngineConfig
+from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import CONTEXT_WINDOW
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
@@ -150,8 +150,16 @@ class Engine:
         instead of building one for `loaded` (tests drive the engine with a stub model)."""
         self.model_spec = model_spec
         self.config = config
+        if config.runner not in RUNNERS:
+            raise ValueError(f"engine runner {config.runner!r} is not one of {', '.join(RUNNERS)}")
+        if config.runner == "dummy" and (config.device != "cpu" or config.tensor_parallel_size != 1):
+            raise ValueError("the dummy runner runs on the host alone: device 'cpu', tensor_parallel_size 1")
         if loaded is not None:
             self.loaded = loaded
+        elif config.runner == "dummy":  # no weights: the config, tokenizer folder and EOS ids only
+            from inflightllm.dummy_runner import describe_model
+
+            self.loaded = describe_model(model_spec)
         elif config.device == "cpu":
             self.loaded = load_model(model_spec, device="cpu")
         else:
@@ -167,7 +175,12 @@ class Engine:
                 raise ValueError(
                     f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens"
                 )
-            runner = make_model_runner(self.loaded, config, blocks, sampler_seed)
+            if config.runner == "dummy":
+                from inflightllm.dummy_runner import DummyRunner
+
+                runner = DummyRunner.for_model(self.loaded, blocks)
+            else:
+                runner = make_model_runner(self.loaded, config, blocks, sampler_seed)
         self.runner = runner
         if config.fault_injection:
             from inflightllm.faults import FaultInjectingRunner

@@ -20,7 +20,13 @@ from typing import Any
 
 import yaml
 
-from inflightllm.config import BATCHING_STRATEGIES, DEVICE_KINDS, PREEMPTION_MODES, EngineConfig
+from inflightllm.config import (
+    BATCHING_STRATEGIES,
+    DEVICE_KINDS,
+    PREEMPTION_MODES,
+    RUNNERS,
+    EngineConfig,
+)
 from inflightllm.model_source import (
     DTYPE_BYTES,
     DTYPES,
@@ -409,7 +415,15 @@ def _read_engine(
         # On by default on GPUs, where the host work between steps would leave the GPU idle.
         "async_scheduling": reader.boolean(section.get("async_scheduling", kind == "gpu"), "engine.async_scheduling"),
         "step_timeout_s": reader.number(get("step_timeout_s"), "engine.step_timeout_s"),
+        "runner": reader.choice(reader.string(get("runner"), "engine.runner"), "engine.runner", RUNNERS),
     }
+    if values["runner"] == "dummy" and (kind != "cpu" or tensor_parallel_size != 1):
+        reader.fail(
+            "engine.runner",
+            f"'dummy' runs no model and holds no KV memory, on the host alone: it needs device.kind 'cpu' "
+            f"and device.tensor_parallel_size 1 (got {kind!r}, {tensor_parallel_size}); it measures the "
+            "response path of any deployment from there",
+        )
     if not 0.0 < values["step_timeout_s"] <= 86400.0:
         reader.fail(
             "engine.step_timeout_s",

@@ -16,6 +16,13 @@ On the air-gapped GPU host the server comes from the installed bundle: `--bundle
 tokenizer models into its NumPy < 2 venv (`PREFIX/venv-np1`, EXECUTION_ENV_PATH) and names
 its perf_analyzer (`PREFIX/bin/perf_analyzer`); `--server-dir`/`--tokenizer-env` set
 one of them alone, `--server-log-dir` keeps each server's log.
+
+Likewise `postprocessing_dynamic_batching=True` adds `dynamic_batching { preserve_ordering:
+true }` (no queue delay) to the rendered postprocessing config, so that Triton hands its
+`execute` every piece waiting at once and the batched decode can be measured. It is a
+measurement switch only: behind a dynamic batcher Triton 2.51 drops the cancelled pieces
+that postprocessing relays to the engine, so a client's cancellation would not reach it
+(docs/INTERFACE.md).
 """
 
 from __future__ import annotations
@@ -85,6 +92,21 @@ def disable_preprocessing_dynamic_batching(repository: Path) -> None:
     config.write_text(stripped)
 
 
+POSTPROCESSING_DYNAMIC_BATCHING = (
+    "\n# Added by perf/servers.py (a measurement switch): every waiting piece in one execute call.\n"
+    "dynamic_batching {\n  preserve_ordering: true\n}\n"
+)
+
+
+def enable_postprocessing_dynamic_batching(repository: Path) -> None:
+    """Add a `dynamic_batching` block (no delay, order kept) to `repository/postprocessing/config.pbtxt`."""
+    config = repository / "postprocessing" / "config.pbtxt"
+    text = config.read_text()
+    if "dynamic_batching" in text:
+        raise RuntimeError(f"{config}: already has a dynamic_batching block")
+    config.write_text(text + POSTPROCESSING_DYNAMIC_BATCHING)
+
+
 @dataclass
 class ServerOptions:
     """Where the server comes from: its folder, the tokenizer models' venv (None: none),
@@ -141,6 +163,7 @@ class ServedProfile:
     repository: Path
     server: TritonServer
     preprocessing_dynamic_batching: bool
+    postprocessing_dynamic_batching: bool = False
 
     def describe(self) -> dict:
         engine = self.profile.engine
@@ -156,6 +179,7 @@ class ServedProfile:
             "stream_interval": engine.stream_interval,
             "preprocessing_instances": self.profile.instances_preprocessing,
             "preprocessing_dynamic_batching": self.preprocessing_dynamic_batching,
+            "postprocessing_dynamic_batching": self.postprocessing_dynamic_batching,
             "preferred_batch_size": list(self.profile.preferred_batch_size),
             "max_queue_delay_microseconds": self.profile.max_queue_delay_microseconds,
             "server_dir": str(self.server.server_dir),
@@ -166,18 +190,24 @@ class ServedProfile:
 @contextlib.contextmanager
 def serve_profile(profile_path: Path, overrides: dict[str, object] | None = None, suffix: str = "variant",
                   preprocessing_dynamic_batching: bool = True, timeout: float = 600.0,
-                  options: ServerOptions | None = None) -> Iterator[ServedProfile]:
+                  options: ServerOptions | None = None,
+                  postprocessing_dynamic_batching: bool = False) -> Iterator[ServedProfile]:
     """Render (if needed) and start a tritonserver on free loopback ports; stop it afterwards."""
     options = options or ServerOptions()
     path = variant_profile(Path(profile_path), overrides or {}, suffix)
     profile = load_profile(path)
     tokenizer_env = str(options.tokenizer_env) if options.tokenizer_env else None
-    if preprocessing_dynamic_batching:
+    if preprocessing_dynamic_batching and not postprocessing_dynamic_batching:
         repository = repository_for(profile, build_dir=BENCH_BUILD_DIR, tokenizer_env=tokenizer_env)
     else:
-        repository = BENCH_BUILD_DIR / f"repo-{profile.name}-no-dynamic-batching"
+        switches = ("" if preprocessing_dynamic_batching else "-no-dynamic-batching") + (
+            "-batched-postprocessing" if postprocessing_dynamic_batching else "")
+        repository = BENCH_BUILD_DIR / f"repo-{profile.name}{switches}"
         render_configs.render(profile, repository, tokenizer_env=tokenizer_env)
-        disable_preprocessing_dynamic_batching(repository)
+        if not preprocessing_dynamic_batching:
+            disable_preprocessing_dynamic_batching(repository)
+        if postprocessing_dynamic_batching:
+            enable_postprocessing_dynamic_batching(repository)
     prepare(profile.model)  # convert the model before the server's model load
     log_path = None
     if options.log_dir is not None:
@@ -186,6 +216,7 @@ def serve_profile(profile_path: Path, overrides: dict[str, object] | None = None
     server = TritonServer(repository, server_dir=options.server_dir, log_path=log_path)
     server.start(timeout=timeout)
     try:
-        yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching)
+        yield ServedProfile(profile, repository, server, preprocessing_dynamic_batching,
+                            postprocessing_dynamic_batching)
     finally:
         server.stop()

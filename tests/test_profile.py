@@ -26,7 +26,7 @@ from inflightllm.profile import (
 ENGINE_KEYS = (
     "async_scheduling, batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, "
     "kv_cache_bytes, max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, "
-    "priority_levels, queue_policy, step_timeout_s, stream_interval, swap_space_blocks"
+    "priority_levels, queue_policy, runner, step_timeout_s, stream_interval, swap_space_blocks"
 )
 
 # A small CPU profile with a tiny random model (no files read): 2 layers, 4 heads,
@@ -204,6 +204,21 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         (
             [("engine.device", "gpu")],
             f"engine.device: unknown key; allowed keys: {ENGINE_KEYS}",
+        ),
+        # engine.runner: the dummy runner (a measurement tool) runs on the host alone
+        ([("engine.runner", "fake")], "engine.runner: 'fake' is not allowed; allowed values: model, dummy"),
+        ([("engine.runner", 1)], "engine.runner: expected a string, got 1 (int)"),
+        (
+            [("engine.runner", "dummy"), ("device.tensor_parallel_size", 2)],
+            "engine.runner: 'dummy' runs no model and holds no KV memory, on the host alone: it needs "
+            "device.kind 'cpu' and device.tensor_parallel_size 1 (got 'cpu', 2); it measures the response "
+            "path of any deployment from there",
+        ),
+        (
+            [("engine.runner", "dummy"), ("device.kind", "gpu"), ("device.gpu_ids", [0])],
+            "engine.runner: 'dummy' runs no model and holds no KV memory, on the host alone: it needs "
+            "device.kind 'cpu' and device.tensor_parallel_size 1 (got 'gpu', 1); it measures the response "
+            "path of any deployment from there",
         ),
         # wrong types: int
         ([("engine.max_num_tokens", "many")], "engine.max_num_tokens: expected an integer, got 'many' (str)"),

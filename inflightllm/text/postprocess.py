@@ -3,15 +3,21 @@
 Stateless: the text of a piece comes from its own `output_ids` and the `context_ids`
 the engine sends with it (`inflightllm.detokenizer.decode_piece`), so any instance may
 handle any piece of any request. The numeric outputs pass through unchanged.
+
+`build_text_responses` handles every piece of one `execute` call together: one
+tokenizer call decodes them all (`inflightllm.detokenizer.decode_pieces`), each with its
+own context, and the texts equal `build_text_response`'s piece by piece. A piece with bad
+inputs fails alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from inflightllm.detokenizer import decode_piece
+from inflightllm.detokenizer import decode_piece, decode_pieces
 
 FINISH_REASONS = {0: "", 1: "stop", 2: "length", 3: "cancelled"}
 
@@ -41,6 +47,39 @@ def finish_reason_text(code: int) -> str:
         raise ValueError(f"finish_reason: unknown code {int(code)}; known: {sorted(FINISH_REASONS)}") from None
 
 
+@dataclass
+class _Piece:
+    """What the decode of one engine response needs, read from its tensors."""
+
+    context_ids: list[int]
+    new_ids: list[int]
+    final: bool
+    reason: str
+
+
+def _read_piece(inputs: Mapping[str, np.ndarray | None]) -> _Piece:
+    output_ids = inputs.get("output_ids")
+    new_ids = [] if output_ids is None else np.asarray(output_ids).reshape(-1).tolist()
+    context_ids = inputs.get("context_ids")
+    context = [] if context_ids is None else np.asarray(context_ids).reshape(-1).tolist()
+    finish_array = inputs.get("finish_reason")
+    finish_code = 0 if finish_array is None else int(np.asarray(finish_array).reshape(-1)[0])
+    return _Piece(context, new_ids, finish_code != 0, finish_reason_text(finish_code))
+
+
+def _response(inputs: Mapping[str, np.ndarray | None], piece: _Piece, text: str) -> dict[str, np.ndarray]:
+    response = {
+        "text_output": np.array([[text.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
+        "finish_reason": np.array([[piece.reason.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
+    }
+    for name, (dtype, empty_shape) in PASS_THROUGH_DEFAULTS.items():
+        array = inputs.get(name)
+        response[name] = np.zeros(empty_shape, dtype) if array is None else array
+    response["cumulative_logprob"] = response["cum_log_probs"]
+    response["batch_index"] = np.zeros((1, 1), np.int32)
+    return response
+
+
 def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> dict[str, np.ndarray]:
     """The "Ensemble outputs" tensors for one engine response.
 
@@ -49,22 +88,48 @@ def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> d
     so an incomplete character at its end is kept (as U+FFFD); earlier pieces hold it
     back until the tokens that complete it arrive.
     """
-    output_ids = inputs.get("output_ids")
-    output_ids = np.zeros((1, 0), np.int32) if output_ids is None else output_ids
-    context_ids = inputs.get("context_ids")
-    context = [] if context_ids is None else np.asarray(context_ids).reshape(-1).tolist()
-    finish_array = inputs.get("finish_reason")
-    finish_code = 0 if finish_array is None else int(np.asarray(finish_array).reshape(-1)[0])
-    reason = finish_reason_text(finish_code)
+    piece = _read_piece(inputs)
+    text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
+    return _response(inputs, piece, text)
 
-    text = decode_piece(tokenizer, context, np.asarray(output_ids).reshape(-1).tolist(), final=finish_code != 0)
-    response = {
-        "text_output": np.array([[text.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
-        "finish_reason": np.array([[reason.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
-    }
-    for name, (dtype, empty_shape) in PASS_THROUGH_DEFAULTS.items():
-        array = inputs.get(name)
-        response[name] = np.zeros(empty_shape, dtype) if array is None else array
-    response["cumulative_logprob"] = response["cum_log_probs"]
-    response["batch_index"] = np.zeros((1, 1), np.int32)
-    return response
+
+def build_text_responses(
+    batch: Sequence[Mapping[str, np.ndarray | None] | Exception], tokenizer
+) -> list[dict[str, np.ndarray] | Exception]:
+    """`build_text_response` for every engine response of one `execute` call, decoded
+    with one tokenizer call. Returns, in order, each piece's tensors or the exception
+    that failed it (bad inputs, ids the tokenizer refuses): the others are unaffected.
+    An entry of `batch` may already be an exception (its tensors could not be read):
+    it is passed through as that piece's failure.
+    """
+    pieces: list[_Piece | Exception] = []
+    for inputs in batch:
+        if isinstance(inputs, Exception):
+            pieces.append(inputs)
+            continue
+        try:
+            pieces.append(_read_piece(inputs))
+        except Exception as error:
+            pieces.append(error)
+    good = [piece for piece in pieces if isinstance(piece, _Piece)]
+    try:
+        texts: list[str] | None = decode_pieces(
+            tokenizer, [(piece.context_ids, piece.new_ids, piece.final) for piece in good]
+        )
+    except Exception:  # some piece's ids are bad: decode one by one to fail that one alone
+        texts = None
+    results: list[dict[str, np.ndarray] | Exception] = []
+    next_text = iter(texts or [])
+    for inputs, piece in zip(batch, pieces, strict=True):
+        if isinstance(piece, Exception):
+            results.append(piece)
+            continue
+        try:
+            if texts is None:
+                text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
+            else:
+                text = next(next_text)
+            results.append(_response(inputs, piece, text))
+        except Exception as error:
+            results.append(error)
+    return results

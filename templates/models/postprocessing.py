@@ -1,8 +1,9 @@
 """Triton model `postprocessing`: token ids -> text (a thin adapter).
 
-The logic lives in `inflightllm.text.postprocess.build_text_response`; it is stateless
+The logic lives in `inflightllm.text.postprocess.build_text_responses`; it is stateless
 (each piece carries its own detokenization context), so any instance may decode any
-piece. This file only converts Triton tensors to NumPy and back.
+piece, and the pieces of one `execute` call are decoded together (one tokenizer call).
+This file only converts Triton tensors to NumPy and back.
 
 It also relays cancellations: when a client cancels an ensemble request, Triton 2.51
 marks the *next* step's requests cancelled, i.e. the pieces arriving here; the engine
@@ -18,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer
-from inflightllm.text.postprocess import build_text_response
+from inflightllm.text.postprocess import build_text_responses
 
 
 class TritonPythonModel:
@@ -47,7 +48,7 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"postprocessing: relaying cancellation failed: {response.error().message()}")
 
     def execute(self, requests):
-        responses = []
+        batch = []
         for request in requests:
             if request.is_cancelled():
                 # Tell the engine, then answer normally: nobody reads this response, and an
@@ -59,17 +60,23 @@ class TritonPythonModel:
                 for name in self.input_names:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     inputs[name] = None if tensor is None else tensor.as_numpy()
-                outputs = build_text_response(inputs, self.tokenizer)
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]
-                    )
-                )
-            except Exception as error:  # bad ids or a bug: fail this request only
+                batch.append(inputs)
+            except Exception as error:  # fails this request only
+                batch.append(error)
+        responses = []
+        for outputs in build_text_responses(batch, self.tokenizer):
+            if isinstance(outputs, Exception):  # bad ids or a bug: fail this request only
+                error = outputs
                 pb_utils.Logger.log_error(f"postprocessing: {type(error).__name__}: {error}")
                 responses.append(
                     pb_utils.InferenceResponse(
                         error=pb_utils.TritonError(f"postprocessing failed: {type(error).__name__}: {error}")
                     )
                 )
+                continue
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]
+                )
+            )
         return responses
