@@ -47,15 +47,18 @@ fi
 note "run_gpu_experiments: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $PROFILE"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 install_bundle
-step inflight-vs-static "${LIMITS[0]}" "$PY" -m perf.experiments inflight-vs-static "${COMMON[@]}" \
+# STEPS="inflight-vs-static prefix-cache" runs only those steps (default: all five).
+STEPS="${STEPS:-inflight-vs-static prefix-cache dynamic-batching triton-vs-engine perf-analyzer}"
+want() { case " $STEPS " in *" $1 "*) return 0 ;; *) echo "skipped: $1" | tee -a "$SUMMARY"; return 1 ;; esac; }
+want inflight-vs-static && step inflight-vs-static "${LIMITS[0]}" "$PY" -m perf.experiments inflight-vs-static "${COMMON[@]}" \
   --out "$OUT/inflight-vs-static-$NAME" "${INFLIGHT[@]}"
-step prefix-cache "${LIMITS[1]}" "$PY" -m perf.experiments prefix-cache "${COMMON[@]}" \
+want prefix-cache && step prefix-cache "${LIMITS[1]}" "$PY" -m perf.experiments prefix-cache "${COMMON[@]}" \
   --out "$OUT/prefix-cache-$NAME" "${PREFIX_CACHE[@]}"
-step dynamic-batching "${LIMITS[2]}" "$PY" -m perf.experiments dynamic-batching "${COMMON[@]}" \
+want dynamic-batching && step dynamic-batching "${LIMITS[2]}" "$PY" -m perf.experiments dynamic-batching "${COMMON[@]}" \
   --out "$OUT/dynamic-batching-$NAME" "${DYNAMIC[@]}"
-step triton-vs-engine "${LIMITS[3]}" "$PY" -m perf.experiments triton-vs-engine "${COMMON[@]}" \
+want triton-vs-engine && step triton-vs-engine "${LIMITS[3]}" "$PY" -m perf.experiments triton-vs-engine "${COMMON[@]}" \
   --out "$OUT/triton-vs-engine-$NAME" "${TVE[@]}"
-step perf-analyzer "${LIMITS[4]}" "$PY" -m perf.perf_analyzer_sweep --profile "$PROFILE" --bundle "$PREFIX" \
+want perf-analyzer && step perf-analyzer "${LIMITS[4]}" "$PY" -m perf.perf_analyzer_sweep --profile "$PROFILE" --bundle "$PREFIX" \
   --server-log-dir "$OUT/logs" --out "$OUT/perf-analyzer-$NAME" "${SWEEP[@]}"
 
 echo
