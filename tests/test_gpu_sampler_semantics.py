@@ -125,3 +125,28 @@ def test_a_row_whose_adjustment_fails_is_reported_alone():
     result = sampler.sample(logits.clone(), np.arange(2), [bad, good])
     assert list(result.errors) == [0] and result.errors[0].startswith("sampling failed: IndexError")
     assert result.token_ids[1].item() == int(torch.argmax(logits[1]))
+
+
+def test_min_tokens_bans_every_stop_id_of_each_row_below_its_minimum_at_once():
+    """min_tokens rows are not visited one by one: all their stop ids are banned in one
+    indexed write, only while the row has fewer outputs than its minimum (in flight counted)."""
+    sampler = GpuSampler(torch.device("cpu"), max_rows=8, seed=0)
+    params = [SamplingParams(min_tokens=4, stop_sequences=((9,),)), SamplingParams(min_tokens=2), SamplingParams(),
+              SamplingParams(min_tokens=3, ignore_eos=True)]
+    states = [request(p, name=f"r{i}") for i, p in enumerate(params)]
+    rows = np.array([5, 1, 3, 0])
+    for row, state in zip(rows, states):
+        sampler.add_row(int(row), state)
+    assert not sampler.params.special[rows].any()  # no row is adjusted one by one
+    logits = random_logits(4)
+    logits[:, 2] = 50.0  # EOS would win everywhere
+    logits[0, 9] = 60.0  # and stop id 9 in row 0
+    ids = sampler.sample(logits.clone(), rows, states, output_counts=np.array([3, 1, 0, 0])).to_host().lists()[0]
+    assert ids[0] not in (2, 9) and ids[1] != 2  # below their minimums
+    assert ids[2] == 2  # no minimum
+    assert ids[3] == 2  # ignore_eos: EOS is no stop id, nothing banned
+    ids = sampler.sample(logits.clone(), rows, states, output_counts=np.array([4, 2, 0, 5])).to_host().lists()[0]
+    assert ids[0] == 9 and ids[1] == 2  # minimums reached
+    reference = Sampler(seed=0)(logits.clone(), [request(p, outputs=(7,) * n) for p, n in zip(params, (3, 1, 0, 0))])
+    first = sampler.sample(logits.clone(), rows, states, output_counts=np.array([3, 1, 0, 0])).to_host().lists()[0]
+    assert first == reference.token_ids

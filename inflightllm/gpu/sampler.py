@@ -30,7 +30,8 @@ class RowParams:
     top_p: np.ndarray
     min_p: np.ndarray
     greedy: np.ndarray
-    special: np.ndarray  # penalties, bans, min_tokens or bad words: adjusted row by row
+    special: np.ndarray  # penalties, bans or bad words: adjusted row by row
+    min_tokens: np.ndarray  # stop ids banned (all such rows at once) while fewer outputs
     top_logprobs: np.ndarray
     wants_logprobs: np.ndarray
 
@@ -43,6 +44,7 @@ class RowParams:
             min_p=np.zeros(rows, np.float32),
             greedy=np.ones(rows, bool),
             special=np.zeros(rows, bool),
+            min_tokens=np.zeros(rows, np.int64),
             top_logprobs=np.zeros(rows, np.int64),
             wants_logprobs=np.zeros(rows, bool),
         )
@@ -54,9 +56,8 @@ class RowParams:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.special[row] = bool(
-            params.needs_penalties or request.banned_single or request.banned_multi or params.min_tokens
-        )
+        self.special[row] = bool(params.needs_penalties or request.banned_single or request.banned_multi)
+        self.min_tokens[row] = params.min_tokens if request.stop_token_ids else 0
         self.top_logprobs[row] = params.top_logprobs
         self.wants_logprobs[row] = params.logprobs or params.top_logprobs > 0
 
@@ -120,9 +121,14 @@ class GpuSampler:
         else:
             self.generator.manual_seed(seed)
         self.row_generators: dict[int, torch.Generator] = {}
+        self.stop_ids: dict[int, np.ndarray] = {}  # row -> its stop ids, for rows with min_tokens
 
     def add_row(self, row: int, request: Request) -> None:
         self.params.set_row(row, request)
+        if self.params.min_tokens[row]:
+            self.stop_ids[row] = np.array(sorted(request.stop_token_ids), np.int64)
+        else:
+            self.stop_ids.pop(row, None)
         if request.params.seed is not None and not request.params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(request.params.seed)
@@ -132,6 +138,7 @@ class GpuSampler:
 
     def remove_row(self, row: int) -> None:
         self.row_generators.pop(row, None)
+        self.stop_ids.pop(row, None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request]):
@@ -154,6 +161,7 @@ class GpuSampler:
                 _adjust_row(logits[index], requests[index], count)
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
+        self._ban_stops_before_min_tokens(logits, rows, requests, output_counts)
         greedy = p.greedy[rows]
         token_ids = torch.argmax(logits, dim=-1)
         if not greedy.all():
@@ -167,6 +175,22 @@ class GpuSampler:
             if k_max:
                 result.top_values, result.top_indices = torch.topk(raw_logprobs, k_max, dim=-1)
         return result
+
+    def _ban_stops_before_min_tokens(self, logits, rows, requests, output_counts) -> None:
+        """min_tokens: every row with fewer outputs than its minimum gets -inf on its stop
+        ids, all rows in one indexed write (one upload of the (row, id) pairs)."""
+        minimums = self.params.min_tokens[rows]
+        if not minimums.any():
+            return
+        if output_counts is None:
+            output_counts = np.fromiter((r.num_output_tokens for r in requests), np.int64, len(requests))
+        below = np.flatnonzero(np.asarray(output_counts) < minimums)
+        if not len(below):
+            return
+        ids = [self.stop_ids[int(rows[i])] for i in below]
+        pairs = np.stack([np.repeat(below, [len(a) for a in ids]), np.concatenate(ids)])
+        pairs = self.upload(pairs)
+        logits[pairs[0], pairs[1]] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         p = self.params
