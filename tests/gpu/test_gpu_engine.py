@@ -163,6 +163,35 @@ def test_fp32_prefix_hits_equal_transformers(fp32_engine_and_reference):
     assert_equal(reference, prompts, [16] * 6, first + rest)
 
 
+def test_fp32_swap_preemption_equals_transformers(fp32_engine_and_reference):
+    """preemption_mode swap: a preempted request's KV blocks go to host memory and come back
+    (CUDA copies) instead of being recomputed; the ids stay transformers'."""
+    engine, reference = fp32_engine_and_reference
+    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, preemption_mode="swap", swap_space_blocks=200)
+    prompts = make_prompts(8, engine.vocab_size, seed=2)
+    max_tokens = [40] * 8
+    results = run(tight, prompts, max_tokens)
+    assert tight.stats().num_swapped_out_total > 0, "the schedule should have swapped requests out"
+    assert_equal(reference, prompts, max_tokens, results)
+
+
+def test_min_tokens_holds_back_stop_ids_in_the_batched_gpu_sampler(fp32_engine_and_reference):
+    """min_tokens: the stop id a request would emit early is banned until its minimum (all
+    such rows in one write); a request without a minimum in the same batch stops on it."""
+    engine, reference = fp32_engine_and_reference
+    prompt = make_prompts(1, engine.vocab_size, seed=7)[0]
+    greedy = reference.greedy(prompt, 12)
+    stop = greedy[2]  # the third greedy token: a request stopping on it ends after 3 tokens
+    llm = LLM(engine.model_spec, engine=engine, load_tokenizer_too=False)
+    held, free = llm.generate([prompt, prompt], [
+        SamplingParams(max_tokens=12, min_tokens=8, ignore_eos=True, stop_sequences=((stop,),)),
+        SamplingParams(max_tokens=12, ignore_eos=True, stop_sequences=((stop,),)),
+    ])
+    assert free.token_ids == greedy[:3]
+    assert len(held.token_ids) >= 8 and stop not in held.token_ids[:8], held.token_ids
+    assert held.token_ids[:2] == greedy[:2]
+
+
 def test_fp32_eager_synchronous_equals_transformers(fp32_engine_and_reference):
     engine, reference = fp32_engine_and_reference
     eager = fresh_engine(engine, cuda_graphs=False, async_scheduling=False)
