@@ -31,15 +31,93 @@ byte-level BPE tokenizers (SmolLM2, Llama 3, GPT-2, Qwen). SentencePiece byte-fa
 decoders (`<0xF0>` tokens: Llama 2, Mistral) write one U+FFFD per byte of a broken
 run of byte tokens, so their pieces can differ from the full decode around multi-byte
 characters.
+
+Hidden ids. The decode shows nothing for a special token (skipped) nor for an id beyond
+the tokenizer's vocabulary, and joins the bytes on either side of them. So the context
+window counts only the tokens the decode shows (`context_window`): eight hidden ids
+after a character's first bytes must not push those bytes out of the context, or the
+piece that completes (or breaks) the character would lose them. The engine forms the
+context that way, with hidden ids left out (they change neither decode), and it never
+samples an id beyond the tokenizer's vocabulary (`TokenizerVocabulary.num_ids`; the
+model's logits there are -inf): a random-weight model whose shape has more ids than its
+borrowed tokenizer would otherwise stream mostly empty text.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 REPLACEMENT_CHARACTER = "\ufffd"
-CONTEXT_WINDOW = 8  # generated tokens sent as context before each piece
+CONTEXT_WINDOW = 8  # generated tokens the decode shows, sent as context before each piece
+
+
+@dataclass(frozen=True)
+class TokenizerVocabulary:
+    """Which ids the streaming decode shows: 0 .. num_ids - 1, minus `special_ids`
+    (skipped by `skip_special_tokens=True`). Every other id is hidden: it adds no text
+    and no bytes."""
+
+    num_ids: int  # one more than the tokenizer's largest id (added tokens included)
+    special_ids: frozenset[int]
+
+    def hides(self, token: int) -> bool:
+        return token >= self.num_ids or token < 0 or token in self.special_ids
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenizerVocabulary:
+        """From a loaded tokenizer (a transformers tokenizer, or a `tokenizers.Tokenizer`)."""
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if hasattr(backend, "get_added_tokens_decoder") and hasattr(backend, "get_vocab"):
+            ids = backend.get_vocab(with_added_tokens=True).values()
+            special = {int(i) for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        else:  # a slow (Python) tokenizer: what its decode skips are its special ids
+            ids = tokenizer.get_vocab().values()
+            special = {int(i) for i in tokenizer.all_special_ids}
+        return cls(num_ids=max(ids, default=-1) + 1, special_ids=frozenset(special))
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_vocabulary(folder: str | Path) -> TokenizerVocabulary | None:
+    """The vocabulary of the tokenizer in a model folder (read once per folder), or None
+    when the folder holds no tokenizer (then nothing is treated as hidden)."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return TokenizerVocabulary.of(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.model").is_file():
+        from transformers import AutoTokenizer
+
+        return TokenizerVocabulary.of(AutoTokenizer.from_pretrained(folder))
+    return None
+
+
+def context_window(
+    token_ids: Sequence[int], end: int, begin: int = 0,
+    vocabulary: TokenizerVocabulary | None = None, window: int = CONTEXT_WINDOW,
+) -> list[int]:
+    """The context of a piece that starts at `token_ids[end]`: the last `window` tokens of
+    `token_ids[begin:end]` that `vocabulary` shows, in order, hidden ones left out.
+    Without a vocabulary: the last `window` tokens. Costs O(window) unless hidden ids
+    sit among the last `window` tokens; then O(the run of hidden ids) as well."""
+    recent = list(token_ids[max(begin, end - window) : end])
+    if vocabulary is None or not recent:
+        return recent
+    if max(recent) < vocabulary.num_ids and vocabulary.special_ids.isdisjoint(recent):
+        return recent
+    shown: list[int] = []
+    position = end
+    while position > begin and len(shown) < window:
+        position -= 1
+        token = int(token_ids[position])
+        if not vocabulary.hides(token):
+            shown.append(token)
+    shown.reverse()
+    return shown
 
 
 def decode_text(tokenizer, token_ids: Sequence[int]) -> str:
@@ -143,6 +221,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, context_window: int = CONTEXT_WINDOW) -> None:
         self.tokenizer = tokenizer
         self.context_window = context_window
+        try:
+            self.vocabulary: TokenizerVocabulary | None = TokenizerVocabulary.of(tokenizer)
+        except AttributeError:  # a tokenizer with no vocabulary to read: plain windows
+            self.vocabulary = None
         self.token_ids: list[int] = []
         self.text = ""  # concatenation of every piece returned so far
         self.finished = False
@@ -152,8 +234,9 @@ class IncrementalDetokenizer:
         is incomplete, unless `final`)."""
         if self.finished:
             raise RuntimeError("IncrementalDetokenizer: add() after the final piece")
-        start = max(0, len(self.token_ids) - self.context_window)
-        context_ids = self.token_ids[start:]
+        context_ids = context_window(
+            self.token_ids, len(self.token_ids), vocabulary=self.vocabulary, window=self.context_window
+        )
         new_list = [int(token) for token in new_ids]
         piece = decode_piece(self.tokenizer, context_ids, new_list, final)
         self.token_ids.extend(new_list)

@@ -27,7 +27,12 @@ import torch
 from inflightllm.model_runner import CompletedStep, RequestStates
 from inflightllm.model_source import ModelSpec, prepare
 from inflightllm.models.llama import LlamaArch
-from inflightllm.models.loader import TORCH_DTYPES, LoadedModel, eos_token_ids
+from inflightllm.models.loader import (
+    TORCH_DTYPES,
+    LoadedModel,
+    eos_token_ids,
+    sampleable_vocab_size,
+)
 from inflightllm.step import SampledTokens, StepDescription
 
 _MASK = (1 << 64) - 1
@@ -62,9 +67,11 @@ def special_token_ids(folder: Path) -> set[int]:
 
 
 def token_pool(loaded: LoadedModel) -> list[int]:
-    """The ids the dummy draws from: the vocabulary minus special and EOS tokens."""
+    """The ids the dummy draws from: the vocabulary minus special and EOS tokens, and
+    minus ids beyond the tokenizer's (never sampled: models/loader.py)."""
     excluded = special_token_ids(loaded.folder) | set(loaded.eos_token_ids)
-    pool = [token for token in range(loaded.arch.vocab_size) if token not in excluded]
+    limit = sampleable_vocab_size(loaded.folder, loaded.arch.vocab_size) or loaded.arch.vocab_size
+    pool = [token for token in range(limit) if token not in excluded]
     if not pool:
         raise ValueError(f"the tokenizer in {loaded.folder} leaves no ordinary token to generate")
     return pool

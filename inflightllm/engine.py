@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
-from inflightllm.detokenizer import CONTEXT_WINDOW
+from inflightllm.detokenizer import context_window, tokenizer_vocabulary
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
 from inflightllm.models.loader import LoadedModel, load_model
@@ -38,7 +38,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    context_ids: list[int]  # up to CONTEXT_WINDOW generated tokens sent before these
+    context_ids: list[int]  # up to CONTEXT_WINDOW generated tokens the decode shows, sent before these
     new_logprobs: list[float]
     new_top_ids: list[list[int]]
     new_top_logprobs: list[list[float]]
@@ -168,6 +168,10 @@ class Engine:
             self.loaded = load_gpu_model(model_spec, config)
         arch = self.loaded.arch
         self.vocab_size = arch.vocab_size
+        # The tokenizer's ids: streamed pieces' contexts count only the ids its decode shows
+        # (inflightllm.detokenizer); the model never samples ids beyond it (models/loader.py).
+        folder = getattr(self.loaded, "folder", None)
+        self.vocabulary = tokenizer_vocabulary(folder) if folder is not None else None
         self.max_model_len = model_spec.max_model_len or arch.max_position_embeddings
         if runner is None:
             blocks = num_kv_blocks(config, ModelDims.from_config(self.loaded.config), model_spec.dtype)
@@ -574,7 +578,7 @@ class Engine:
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=tokens[base + start : base + upto],
-            context_ids=tokens[base + max(0, start - CONTEXT_WINDOW) : base + start],
+            context_ids=context_window(tokens, base + start, base, self.vocabulary),
             new_logprobs=request.logprobs[start:upto] if wants_logprobs else [],
             new_top_ids=request.top_logprob_ids[start:upto] if params.top_logprobs else [],
             new_top_logprobs=request.top_logprob_values[start:upto] if params.top_logprobs else [],

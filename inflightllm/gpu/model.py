@@ -17,8 +17,13 @@ import torch.nn.functional as F
 
 from inflightllm.gpu import ops
 from inflightllm.model_source import ModelSpec, prepare
-from inflightllm.models.llama import LlamaArch, rope_inverse_frequencies
-from inflightllm.models.loader import TORCH_DTYPES, LoadedModel, eos_token_ids
+from inflightllm.models.llama import LlamaArch, mask_unsampleable, rope_inverse_frequencies
+from inflightllm.models.loader import (
+    TORCH_DTYPES,
+    LoadedModel,
+    eos_token_ids,
+    sampleable_vocab_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class GpuLlama:
         self.dtype = dtype
         self.device = device
         self.tp = tp
+        self.sampleable_vocab_size: int | None = None  # see LlamaForCausalLM
         rank, size = (tp.rank, tp.world_size) if tp is not None else (0, 1)
         self.num_heads = arch.num_heads // size  # this rank's
         self.num_kv_heads = arch.num_kv_heads // size
@@ -254,13 +260,15 @@ class GpuLlama:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]; -inf from
+        `sampleable_vocab_size` on (ids the tokenizer does not have)."""
         if self.tp is None:
-            return F.linear(hidden, self.lm_head).float()
+            return mask_unsampleable(F.linear(hidden, self.lm_head).float(), self.sampleable_vocab_size)
         local = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows]
         if local.shape[1] < self.per_rank_vocab:
             local = F.pad(local, (0, self.per_rank_vocab - local.shape[1]), value=float("-inf"))
-        return self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
+        logits = self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
+        return mask_unsampleable(logits, self.sampleable_vocab_size)
 
 
 def gpu_device(config) -> torch.device:
@@ -293,6 +301,7 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
             eos_token_ids=eos_token_ids(folder, hf_config), dtype=dtype, device=device, spec=spec,
         )
     model = GpuLlama(arch, dtype, device, max_positions=model_len(spec, arch, config), tp=tp)
+    model.sampleable_vocab_size = sampleable_vocab_size(folder, arch.vocab_size)
     if spec.source == "random":
         model.init_random(spec.seed)
     else:

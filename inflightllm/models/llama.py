@@ -225,6 +225,14 @@ class LlamaBody(nn.Module):
         self.rotary_emb = RotaryEmbedding(arch)
 
 
+def mask_unsampleable(logits: torch.Tensor, sampleable_vocab_size: int | None) -> torch.Tensor:
+    """`logits` [n, vocab_size] with columns from `sampleable_vocab_size` on set to -inf,
+    in place (no host sync: CUDA graphs may capture it)."""
+    if sampleable_vocab_size is not None and sampleable_vocab_size < logits.shape[-1]:
+        logits[:, sampleable_vocab_size:] = float("-inf")
+    return logits
+
+
 class LlamaForCausalLM(nn.Module):
     """Packed-batch causal LM: `forward` gives hidden states, `compute_logits` the
     logits of selected positions only."""
@@ -233,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
     tp = None
     vocab_start = 0
     vocab_end = 0
+    # Ids from here up are never sampled (their logits are -inf): the tokenizer has no
+    # such ids (models/loader.py `sampleable_vocab_size`). None: every id of the model.
+    sampleable_vocab_size: int | None = None
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
@@ -256,14 +267,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        """hidden: [n, hidden_size] -> float32 logits [n, vocab_size]; -inf from
+        `sampleable_vocab_size` on."""
         if self.tp is not None:
             local = self.lm_head(hidden)  # [n, this rank's vocab rows], padded to an equal share
             per_rank = -(-self.arch.vocab_size // self.tp.world_size)
             if local.shape[1] < per_rank:
                 local = F.pad(local, (0, per_rank - local.shape[1]), value=float("-inf"))
-            return self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
-        return self.lm_head(hidden).float()
+            logits = self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return mask_unsampleable(logits, self.sampleable_vocab_size)
 
     def _vocab_parallel_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's vocab range, zeros elsewhere, summed over the ranks."""

@@ -40,6 +40,24 @@ def eos_token_ids(folder: Path, config: dict) -> frozenset[int]:
     return frozenset(value if isinstance(value, list) else [value])
 
 
+def sampleable_vocab_size(folder: Path, vocab_size: int) -> int | None:
+    """How many ids the model may sample: the tokenizer's (inflightllm.detokenizer
+    `TokenizerVocabulary.num_ids`) when it has fewer ids than the model, else None (all).
+
+    A random-weight shape with more ids than its borrowed tokenizer (Llama 3's 128,256
+    with SmolLM2's 49,152) would otherwise sample ids the tokenizer cannot decode: they
+    stream no text, and streamed and whole text could differ. A real model's tokenizer
+    covers its vocabulary (nothing is masked); where the LM head is padded beyond the
+    tokenizer (Qwen2's 151,936 rows for 151,665 ids), the padding rows are never sampled,
+    as their ids mean nothing. Log probabilities are over the sampleable ids."""
+    from inflightllm.detokenizer import tokenizer_vocabulary
+
+    vocabulary = tokenizer_vocabulary(folder)
+    if vocabulary is None or not 0 < vocabulary.num_ids < vocab_size:
+        return None
+    return vocabulary.num_ids
+
+
 def _init_random(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(seed)
@@ -94,6 +112,7 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         _load_safetensors(model, folder, device)
     # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
     model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)
+    model.sampleable_vocab_size = sampleable_vocab_size(folder, arch.vocab_size)
     model.eval()
     return LoadedModel(
         model=model,
