@@ -9,6 +9,7 @@ postprocessing sends one when a client cancels an ensemble request, which this m
 cannot see itself (Triton 2.51 marks only the next step's requests cancelled).
 """
 
+import gc
 import json
 import logging
 
@@ -63,6 +64,11 @@ class TritonPythonModel:
             pb_utils, args["model_name"], args.get("model_instance_name", ""), place.get("device", "cpu")
         )
         self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"])
+        # The objects built so far (torch, the model, the tokenizer's files) live as long as
+        # the process: frozen, Python's garbage collector stops rescanning them in every
+        # full collection that the loop's per-step allocations trigger (as vLLM does).
+        gc.collect()
+        gc.freeze()
         self.loop = EngineLoop(engine, on_step=self._on_step).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()
