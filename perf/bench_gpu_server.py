@@ -410,10 +410,11 @@ def process_group_cpu_s(pgid: int) -> dict[str, float]:
         # fields[0] is the state (stat field 3): pgrp is field 5, utime 14, stime 15.
         if int(fields[2]) != pgid:
             continue
-        if name == "triton_python_backend_stub":  # argv[1] is <repository>/<model>/<version>/model.py
-            try:
+        if name.startswith("triton_python_b"):  # the kernel keeps 15 characters of the name
+            try:  # argv[1] is <repository>/<model>/<version>/model.py
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                name = f"{name}[{Path(argv[1].decode()).parent.parent.name}]"
+                if argv[0].endswith(b"triton_python_backend_stub"):
+                    name = f"triton_python_backend_stub[{Path(argv[1].decode()).parent.parent.name}]"
             except (OSError, IndexError):
                 pass
         by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
