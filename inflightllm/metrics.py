@@ -18,6 +18,23 @@ TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
 
 
+class ChangedGauge:
+    """A pb_utils gauge that is set only when its value changes.
+
+    Every `set` is an IPC round trip from the stub to the server; the engine loop updates
+    its gauges after every step, when most of them have not moved (total blocks, the
+    waiting queue of an idle server, ...). The scraped value is the same."""
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.value = None
+
+    def set(self, value) -> None:
+        if value != self.value:
+            self.metric.set(value)
+            self.value = value
+
+
 class EngineMetrics:
     """Gauges, counters and histograms of one engine, exported through pb_utils."""
 
@@ -33,7 +50,7 @@ class EngineMetrics:
             return created
 
         def gauge(name: str, description: str):
-            return make(name, description, family.GAUGE)
+            return _ChangedGaugeFamily(make(name, description, family.GAUGE))
 
         def counter(name: str, description: str):
             return make(name, description, family.COUNTER)
@@ -126,6 +143,16 @@ class EngineMetrics:
         self.vllm.update(stats, last, outputs)
 
 
+class _ChangedGaugeFamily:
+    """A gauge MetricFamily whose Metrics are `ChangedGauge`s."""
+
+    def __init__(self, family):
+        self.family = family
+
+    def Metric(self, labels):  # noqa: N802 (pb_utils' name)
+        return ChangedGauge(self.family.Metric(labels=labels))
+
+
 # Token-count histogram buckets (vLLM's 1-2-5 series).
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 # vLLM's finished_reason label values for ours ("cancelled" is vLLM's "abort").
@@ -172,7 +199,7 @@ class VllmAliases:
             "vllm:request_generation_tokens", "Generated tokens per finished request", labels, TOKEN_BUCKETS)
 
     def _gauge(self, name, description, labels):
-        return self._make(name, description, self._kinds.GAUGE).Metric(labels=labels)
+        return ChangedGauge(self._make(name, description, self._kinds.GAUGE).Metric(labels=labels))
 
     def _counter(self, name, description, labels):
         return self._make(name, description, self._kinds.COUNTER).Metric(labels=labels)

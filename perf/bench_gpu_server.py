@@ -393,7 +393,9 @@ def _client_process(url: str, indexed_inputs: list[tuple[int, dict]], max_second
 
 def process_group_cpu_s(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by each live process of a process group
-    (the server, its Python backend stubs), summed by command name; {} where /proc is absent."""
+    (the server, its Python backend stubs), summed by command name; a stub is named by its
+    model too (`triton_python_backend_stub[engine]`: the engine's own process apart from the
+    tokenizer models'); {} where /proc is absent."""
     ticks = os.sysconf("SC_CLK_TCK")
     by_name: dict[str, float] = {}
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
@@ -408,6 +410,13 @@ def process_group_cpu_s(pgid: int) -> dict[str, float]:
         # fields[0] is the state (stat field 3): pgrp is field 5, utime 14, stime 15.
         if int(fields[2]) != pgid:
             continue
+        if name.startswith("triton_python_b"):  # the kernel keeps 15 characters of the name
+            try:  # argv[1] is <repository>/<model>/<version>/model.py
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv[0].endswith(b"triton_python_backend_stub"):
+                    name = f"triton_python_backend_stub[{Path(argv[1].decode()).parent.parent.name}]"
+            except (OSError, IndexError):
+                pass
         by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return by_name
 

@@ -20,12 +20,15 @@ class _Metric:
         self.buckets = buckets
         self.value = 0.0
         self.observations: list[float] = []
+        self.calls = 0  # set and increment calls: each an IPC round trip in the stub
 
     def set(self, value):
         self.value = value
+        self.calls += 1
 
     def increment(self, value):
         self.value += value
+        self.calls += 1
 
     def observe(self, value):
         self.observations.append(value)
@@ -98,6 +101,29 @@ def test_vllm_aliases_follow_our_figures():
 
 
 @pytest.mark.server
+def _calls() -> int:
+    return sum(metric.calls for family in _Family.created.values() for metric in family.metrics)
+
+
+def test_a_step_that_changes_nothing_costs_no_metric_call_and_a_change_costs_one():
+    _Family.created = {}
+    metrics = EngineMetrics(_PbUtils, model_name="engine")
+    metrics.update(_stats(), [])
+    before = _calls()
+    metrics.update(_stats(), [])
+    assert _calls() == before
+    metrics.update(_stats(num_waiting=0), [])
+    # inflightllm_requests{state="waiting"} and vllm:num_requests_waiting
+    assert _calls() == before + 2
+    assert _value("inflightllm_requests", state="waiting") == 0 and _value("vllm:num_requests_waiting") == 0
+    assert _value("inflightllm_requests", state="running") == 2
+    metrics.update(_stats(num_waiting=0, num_blocks_used=30, num_blocks_free=70), [])
+    assert _value("inflightllm_kv_cache_blocks", state="used") == 30
+    assert _value("inflightllm_kv_cache_blocks", state="free") == 70
+    assert _value("inflightllm_kv_cache_usage_ratio") == 0.3 and _value("vllm:kv_cache_usage_perc") == 0.3
+    assert _value("inflightllm_kv_cache_blocks", state="total") == 100
+
+
 def test_vllm_names_on_the_metrics_port(model_repo_server):
     from inflightllm.client import chat_messages, stream_generate
 

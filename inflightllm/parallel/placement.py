@@ -15,6 +15,7 @@ import dataclasses
 import logging
 
 from inflightllm.config import EngineConfig
+from inflightllm.metrics import ChangedGauge
 
 logger = logging.getLogger(__name__)
 
@@ -84,5 +85,6 @@ class PlacementMetrics:
         )
         self.gpu = self._gpu_family.Metric(labels={**labels, "gpu": gpu})
         self.gpu.set(1)
-        self.ready = self._ready_family.Metric(labels=labels)
+        # Set after every engine step: an IPC only when it changes.
+        self.ready = ChangedGauge(self._ready_family.Metric(labels=labels))
         self.ready.set(1)

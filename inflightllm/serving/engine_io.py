@@ -1,7 +1,7 @@
 """The engine model's tensors <-> engine requests and outputs (docs/INTERFACE.md).
 
-Pure torch: the Triton adapter moves tensors by DLPack and calls these functions, so
-the same code serves CPU and GPU hosts whatever their NumPy.
+Pure torch at the edges: the Triton adapter moves tensors by DLPack and calls these
+functions, so the same code serves CPU and GPU hosts whatever their NumPy.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inflightllm.engine import RequestOutput
@@ -101,6 +102,24 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=tensor.dtype).as_strided(tuple(tensor.shape), tuple(strides))
 
 
+_EMPTY: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> a zero-size tensor (no data: shared by responses)
+
+
+def _array(values, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """`values` as a torch tensor of `shape` (leading batch dim 1), built through NumPy.
+
+    Built for every streamed response, eleven times: `torch.tensor` costs ~3 us a call,
+    `torch.from_numpy(np.array(...))` ~1 us. Zero-size ones come from a cache with the
+    strides Triton accepts (`_dense`); no response writes into a tensor it sent."""
+    if 0 in shape:
+        key = (shape, dtype)
+        empty = _EMPTY.get(key)
+        if empty is None:
+            empty = _EMPTY[key] = _dense(torch.from_numpy(np.zeros(shape, dtype=dtype)))
+        return empty
+    return torch.from_numpy(np.array(values, dtype=dtype).reshape(shape))
+
+
 def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0) -> dict[str, torch.Tensor]:
     """The engine model's response tensors for one output (leading batch dim 1).
 
@@ -113,25 +132,19 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
         context = []
     top_k = request.params.top_logprobs
     num_new = len(output.new_token_ids)
-    if top_k and output.new_top_ids:
-        top_ids = torch.tensor(output.new_top_ids, dtype=torch.int32).reshape(1, num_new, top_k)
-        top_values = torch.tensor(output.new_top_logprobs, dtype=torch.float32).reshape(1, num_new, top_k)
-    else:
-        top_ids = torch.zeros((1, num_new, 0), dtype=torch.int32)
-        top_values = torch.zeros((1, num_new, 0), dtype=torch.float32)
-    tensors = {
-        "request_handle": torch.tensor([[handle]], dtype=torch.int64),
-        "output_ids": torch.tensor([token_ids], dtype=torch.int32).reshape(1, len(token_ids)),
-        "context_ids": torch.tensor([context], dtype=torch.int32).reshape(1, len(context)),
-        "finish_reason": torch.tensor([[int(output.finish_reason)]], dtype=torch.int32),
-        "num_input_tokens": torch.tensor([[output.num_prompt_tokens]], dtype=torch.int32),
-        "num_output_tokens": torch.tensor([[output.num_output_tokens]], dtype=torch.int32),
-        "num_cached_tokens": torch.tensor([[output.num_cached_tokens]], dtype=torch.int32),
-        "cum_log_probs": torch.tensor([[output.cum_logprob]], dtype=torch.float32),
-        "output_log_probs": torch.tensor([output.new_logprobs], dtype=torch.float32).reshape(
-            1, len(output.new_logprobs)
-        ),
-        "top_logprob_ids": top_ids,
-        "top_logprobs": top_values,
+    if not (top_k and output.new_top_ids):
+        top_k = 0
+    int32, float32 = np.int32, np.float32
+    return {
+        "request_handle": _array(handle, np.int64, (1, 1)),
+        "output_ids": _array(token_ids, int32, (1, len(token_ids))),
+        "context_ids": _array(context, int32, (1, len(context))),
+        "finish_reason": _array(int(output.finish_reason), int32, (1, 1)),
+        "num_input_tokens": _array(output.num_prompt_tokens, int32, (1, 1)),
+        "num_output_tokens": _array(output.num_output_tokens, int32, (1, 1)),
+        "num_cached_tokens": _array(output.num_cached_tokens, int32, (1, 1)),
+        "cum_log_probs": _array(output.cum_logprob, float32, (1, 1)),
+        "output_log_probs": _array(output.new_logprobs, float32, (1, len(output.new_logprobs))),
+        "top_logprob_ids": _array(output.new_top_ids, int32, (1, num_new, top_k)),
+        "top_logprobs": _array(output.new_top_logprobs, float32, (1, num_new, top_k)),
     }
-    return {name: _dense(tensor) for name, tensor in tensors.items()}

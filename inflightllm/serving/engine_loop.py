@@ -47,17 +47,34 @@ StepCallback = Callable[[EngineStats, list[RequestOutput]], None]
 class EngineLoop:
     """Runs `engine.step()` on its own thread while there is work."""
 
-    def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5):
+    # Each admitted request's sink is asked `is_cancelled()` (an IPC round trip in Triton)
+    # at most once per CANCEL_POLL_INTERVAL_S, oldest poll first, and at most
+    # MAX_POLLS_PER_STEP sinks a step: the polling costs a bounded host time per step and per
+    # second, not one round trip per request per step (which was one per generated token).
+    # Cancellations through the ensemble arrive as control requests (`cancel`) and are not
+    # delayed by this; Triton's TensorRT-LLM backend checks cancellation every 100 ms too.
+    CANCEL_POLL_INTERVAL_S = 0.1
+    MAX_POLLS_PER_STEP = 64
+
+    def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5,
+                 cancel_poll_interval_s: float | None = None, max_polls_per_step: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
+        self.cancel_poll_interval_s = (self.CANCEL_POLL_INTERVAL_S if cancel_poll_interval_s is None
+                                       else cancel_poll_interval_s)
+        self.max_polls_per_step = self.MAX_POLLS_PER_STEP if max_polls_per_step is None else max_polls_per_step
+        self.clock = clock
         self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
         self._cancels: deque[int] = deque()  # handles of requests to abort
         self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
-        self._poll_ring: deque[str] = deque()  # admitted request ids, polled for cancellation in turn
+        # (request id, when its sink was last polled) of admitted requests, oldest poll first;
+        # finished ones drop out when they reach the front.
+        self._poll_ring: deque[tuple[str, float]] = deque()
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._sender = ResponseSender(self)
 
@@ -179,25 +196,25 @@ class EngineLoop:
                 self._safe_error(sink, f"engine could not accept the request: {type(error).__name__}: {error}")
                 continue
             self._active[request_id] = (request, sink)
-            self._poll_ring.append(request_id)
-
-    # Waiting requests whose sinks are polled per step (round robin); running ones are
-    # polled every step. Bounds the per-step cost of `is_cancelled()` (an IPC round trip
-    # in Triton) whatever the queue's depth.
-    WAITING_POLLS_PER_STEP = 64
+            self._poll_ring.append((request_id, self.clock()))  # polled just above
 
     def _check_cancellations(self) -> None:
-        polled = [r.request_id for r in self.engine.scheduler.running]
-        ring = self._poll_ring  # every admitted request, in turn; finished ones drop out
-        for _ in range(min(self.WAITING_POLLS_PER_STEP, len(ring))):
-            request_id = ring.popleft()
-            if request_id in self._active:
-                ring.append(request_id)
-                polled.append(request_id)
-        for request_id in polled:
+        """Poll the sinks that are due (see CANCEL_POLL_INTERVAL_S); abort the cancelled."""
+        now = self.clock()
+        ring = self._poll_ring
+        polls = 0
+        for _ in range(len(ring)):  # each at most once a step, whatever the interval
+            request_id, polled_at = ring[0]
+            if polls >= self.max_polls_per_step:
+                break
+            if now - polled_at < self.cancel_poll_interval_s:
+                break  # the rest were polled later still
+            ring.popleft()
             entry = self._active.get(request_id)
             if entry is None:
-                continue
+                continue  # finished: it drops out
+            polls += 1
+            ring.append((request_id, now))
             try:
                 cancelled = entry[1].is_cancelled()
             except Exception:

@@ -9,11 +9,13 @@ postprocessing sends one when a client cancels an ensemble request, which this m
 cannot see itself (Triton 2.51 marks only the next step's requests cancelled).
 """
 
+import gc
 import json
 import logging
 
 import torch
 import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack
 
 from inflightllm.config import EngineConfig
 from inflightllm.engine import Engine
@@ -34,7 +36,9 @@ class TritonSink:
         self.sender = sender
 
     def send(self, tensors, final):
-        outputs = [pb_utils.Tensor.from_dlpack(name, tensor) for name, tensor in tensors.items()]
+        # A DLPack capsule, not the tensor: torch's __dlpack__ protocol costs ~5 us a tensor in
+        # Python, to_dlpack ~0.3 us (eleven tensors a response).
+        outputs = [pb_utils.Tensor.from_dlpack(name, to_dlpack(tensor)) for name, tensor in tensors.items()]
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
@@ -60,6 +64,11 @@ class TritonPythonModel:
             pb_utils, args["model_name"], args.get("model_instance_name", ""), place.get("device", "cpu")
         )
         self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"])
+        # The objects built so far (torch, the model, the tokenizer's files) live as long as
+        # the process: frozen, Python's garbage collector stops rescanning them in every
+        # full collection that the loop's per-step allocations trigger (as vLLM does).
+        gc.collect()
+        gc.freeze()
         self.loop = EngineLoop(engine, on_step=self._on_step).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()

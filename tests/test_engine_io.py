@@ -1,0 +1,82 @@
+"""The engine model's response tensors (inflightllm/serving/engine_io.py `output_tensors`):
+names, dtypes, shapes, values, and strides that Triton's DLPack import accepts."""
+
+from __future__ import annotations
+
+import torch
+
+from inflightllm.engine import RequestOutput
+from inflightllm.request import FinishReason
+from inflightllm.sampling_params import SamplingParams
+from inflightllm.serving.engine_io import EngineRequest, output_tensors
+
+
+def _output(new, context, finished=False, reason=FinishReason.NONE, logprobs=(), top_ids=(), top_values=(),
+            cum=0.0) -> RequestOutput:
+    return RequestOutput("req-7", list(new), list(context), list(logprobs), [list(t) for t in top_ids],
+                         [list(t) for t in top_values], cum, finished, reason, 3, 5, 2)
+
+
+def _request(echo=False, top_logprobs=0) -> EngineRequest:
+    params = SamplingParams(max_tokens=8, logprobs=top_logprobs > 0, top_logprobs=top_logprobs)
+    return EngineRequest([11, 12, 13], params, 0, not echo, echo)
+
+
+def _triton_accepts(tensor: torch.Tensor) -> bool:
+    """Triton's check: row-major strides computed from the shape (the first axis unchecked)."""
+    expected = 1
+    for axis in range(tensor.dim() - 1, 0, -1):
+        if tensor.stride(axis) != expected:
+            return False
+        expected *= tensor.shape[axis]
+    return True
+
+
+def test_a_streamed_piece_without_log_probs():
+    tensors = output_tensors(_output([40, 41], [30, 31, 32]), _request(), handle=7)
+    expected = {
+        "request_handle": (torch.int64, [1, 1], [[7]]),
+        "output_ids": (torch.int32, [1, 2], [[40, 41]]),
+        "context_ids": (torch.int32, [1, 3], [[30, 31, 32]]),
+        "finish_reason": (torch.int32, [1, 1], [[0]]),
+        "num_input_tokens": (torch.int32, [1, 1], [[3]]),
+        "num_output_tokens": (torch.int32, [1, 1], [[5]]),
+        "num_cached_tokens": (torch.int32, [1, 1], [[2]]),
+        "cum_log_probs": (torch.float32, [1, 1], [[0.0]]),
+        "output_log_probs": (torch.float32, [1, 0], [[]]),
+        "top_logprob_ids": (torch.int32, [1, 2, 0], [[[], []]]),
+        "top_logprobs": (torch.float32, [1, 2, 0], [[[], []]]),
+    }
+    assert list(tensors) == list(expected)
+    for name, (dtype, shape, values) in expected.items():
+        tensor = tensors[name]
+        assert (tensor.dtype, list(tensor.shape), tensor.tolist()) == (dtype, shape, values), name
+        assert tensor.device.type == "cpu" and _triton_accepts(tensor), (name, tensor.stride())
+
+
+def test_the_final_response_echoes_the_prompt_and_has_no_context():
+    tensors = output_tensors(_output([40], [30], finished=True, reason=FinishReason.LENGTH), _request(echo=True))
+    assert tensors["output_ids"].tolist() == [[11, 12, 13, 40]]
+    assert tensors["context_ids"].tolist() == [[]] and list(tensors["context_ids"].shape) == [1, 0]
+    assert tensors["finish_reason"].tolist() == [[int(FinishReason.LENGTH)]]
+    assert all(_triton_accepts(tensor) for tensor in tensors.values())
+
+
+def test_log_probs_and_top_log_probs():
+    output = _output([40, 41], [], logprobs=[-0.5, -1.25], top_ids=[[40, 9], [41, 8]],
+                     top_values=[[-0.5, -2.0], [-1.25, -3.0]], cum=-1.75)
+    tensors = output_tensors(output, _request(top_logprobs=2))
+    assert tensors["output_log_probs"].dtype == torch.float32
+    assert tensors["output_log_probs"].tolist() == [[-0.5, -1.25]]
+    assert tensors["cum_log_probs"].tolist() == [[-1.75]]
+    assert tensors["top_logprob_ids"].dtype == torch.int32
+    assert tensors["top_logprob_ids"].tolist() == [[[40, 9], [41, 8]]]
+    assert tensors["top_logprobs"].tolist() == [[[-0.5, -2.0], [-1.25, -3.0]]]
+    assert all(_triton_accepts(tensor) for tensor in tensors.values())
+
+
+def test_responses_do_not_share_data():
+    first = output_tensors(_output([40], [30]), _request())
+    second = output_tensors(_output([41], [30, 40]), _request())
+    assert first["output_ids"].tolist() == [[40]] and second["output_ids"].tolist() == [[41]]
+    assert first["output_ids"].data_ptr() != second["output_ids"].data_ptr()
