@@ -312,6 +312,11 @@ class GpuModelRunner:
         place in the host arrays holds -1, and the device copies it from `last_sampled`
         (the previous step's samples, by row) into the input ids. Only sampled ids cross
         to the host, once per step, asynchronously."""
+        # The current CUDA device is per host thread, and the engine loop's thread is not the
+        # one that loaded the model: without this an engine on any GPU but 0 (a data-parallel
+        # instance, gpu_ids [1]) launches its CuPy kernels on GPU 0 with GPU 1's pointers.
+        if torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
         # Swaps first (preemption_mode: swap): a swapped-out request's blocks may be handed
         # to another request in this very step, and this step's forward writes into them.
         for request_id, block_ids in step.swap_out:

@@ -81,3 +81,36 @@ def test_killed_worker_fails_the_step_clearly():
         started = time.monotonic()
         runner.shutdown()
         assert time.monotonic() - started < 30
+
+
+@needs_two
+def test_an_engine_on_gpu_1_steps_from_another_thread():
+    """A data-parallel instance: the engine is loaded on GPU 1 in one thread and stepped from
+    another (the server's engine loop), where the current device is GPU 0 unless the runner
+    sets it; its ids equal an engine's on GPU 0."""
+    import threading
+
+    spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
+    prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in (5, 40, 300)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for gpu in (0, 1):
+        engine = Engine(spec, config(1, gpu_ids=(gpu,)), sampler_seed=0)
+        llm = LLM(spec, engine=engine, load_tokenizer_too=False)
+        result: dict = {}
+
+        def generate(llm=llm, result=result):
+            try:
+                result["ids"] = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+            except Exception as error:  # noqa: BLE001 - reported below
+                result["error"] = error
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        thread.join(120)
+        assert "error" not in result, result.get("error")
+        outputs[gpu] = result["ids"]
+        assert engine.loaded.model.embed.device == torch.device("cuda", gpu)
+        llm = engine = None
+        release()
+    assert outputs[1] == outputs[0]
