@@ -351,9 +351,12 @@ class Engine:
                 self._fail_step(scheduled, error, outputs)
                 return outputs
             self._counters.steps += 1
+            size = self.block_manager.block_size
             for item in scheduled.scheduled:
-                item.request.num_computed_tokens += item.num_new_tokens
-                self.block_manager.cache_full_blocks(item.request)
+                request = item.request
+                request.num_computed_tokens += item.num_new_tokens
+                if request.num_computed_tokens >= (request.num_registered_blocks + 1) * size:
+                    self.block_manager.cache_full_blocks(request)  # a block may have filled
             self._emit(sampled, outputs)
             return outputs
         if self._inflight is not None and self._needs_history():
@@ -420,8 +423,12 @@ class Engine:
                     self._fail(request, message, outputs)
             return
         waited = time.perf_counter()
+        # Only when a block may have filled (`cache_full_blocks` would return at once
+        # otherwise): most steps add one token to each request, a block every block_size.
+        size = self.block_manager.block_size
         for request in scheduled:
-            if not request.is_finished:
+            if (request.num_computed_tokens >= (request.num_registered_blocks + 1) * size
+                    and not request.is_finished):
                 self.block_manager.cache_full_blocks(request)
         self._emit(sampled, outputs)
         self.host_seconds["wait"] += waited - start
@@ -435,24 +442,34 @@ class Engine:
             if request is not None and not request.is_finished:
                 self._fail(request, message, outputs)
         now = time.monotonic()
+        # Per generated token: the lookups hoisted out of the loop. A request that does not
+        # stream and has not finished has nothing to send (`_output` would return None), so
+        # it is not asked: with stream=false that is every token but each request's last.
+        get = self.requests.get
+        token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        top_ids, top_logprobs = sampled.top_ids, sampled.top_logprobs
+        none = FinishReason.NONE
+        generated = 0
         for row, request_id in enumerate(sampled.request_ids):
-            request = self.requests.get(request_id)
+            request = get(request_id)
             if request is None:
                 continue  # finished or aborted while its step was in flight
             if request.num_inflight:
                 request.num_inflight -= 1
-            request.token_ids.append(sampled.token_ids[row])
-            request.logprobs.append(sampled.logprobs[row] or 0.0)
-            request.top_logprob_ids.append(sampled.top_ids[row])
-            request.top_logprob_values.append(sampled.top_logprobs[row])
+            request.token_ids.append(token_ids[row])
+            request.logprobs.append(logprobs[row] or 0.0)
+            request.top_logprob_ids.append(top_ids[row])
+            request.top_logprob_values.append(top_logprobs[row])
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            self._counters.generation_tokens += 1
+            generated += 1
             try:
                 reason = self._check_stop(request)
-                if reason is not FinishReason.NONE:
+                if reason is not none:
                     self._finish(request, reason)
+                elif not request.streaming:
+                    continue
                 output = self._output(request)
             except Exception as error:  # this request fails alone
                 logger.exception("stop handling failed for request %s", request_id)
@@ -461,6 +478,7 @@ class Engine:
                 continue
             if output is not None:
                 outputs.append(output)
+        self._counters.generation_tokens += generated
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others

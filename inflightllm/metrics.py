@@ -128,9 +128,10 @@ class EngineMetrics:
             if now > before:
                 metric.increment(now - before)
         self._last = stats
-        for output in outputs:
-            if not output.finished:
-                continue
+        # Only finished outputs are observed: with stream=true a step has one output per
+        # streaming request, few of them final. Filtered once for both sets of series.
+        finished = [output for output in outputs if output.finished] if outputs else outputs
+        for output in finished:
             reason = output.finish_reason.text
             if reason in self.finished:
                 self.finished[reason].increment(1)
@@ -140,7 +141,7 @@ class EngineMetrics:
                 self.tpot.observe(output.time_per_output_token)
             if output.e2e_latency is not None:
                 self.e2e.observe(output.e2e_latency)
-        self.vllm.update(stats, last, outputs)
+        self.vllm.update(stats, last, finished)
 
 
 class _ChangedGaugeFamily:
