@@ -159,26 +159,19 @@ class GpuLlama:
         share, so its weights are those of the single-GPU model."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
-        if self.tp is not None:
-            for name, tensor in sorted(self.hf_state_dict().items()):
-                if name.endswith("norm.weight"):
-                    tensor.fill_(1.0)
-                elif name.endswith(".bias"):
-                    tensor.zero_()
-                else:
-                    whole = torch.empty(self._full_shape(name, tensor), dtype=self.dtype, device=self.device)
-                    whole.normal_(0.0, 0.02, generator=generator)
-                    dim, start, length = self.shard_of(name) or (0, 0, whole.shape[0])
-                    tensor.copy_(whole.narrow(dim, start, length))
-                    del whole
-            return
         for name, tensor in sorted(self.hf_state_dict().items()):
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             elif name.endswith(".bias"):
                 tensor.zero_()
-            else:
+            elif self.tp is None:
                 tensor.normal_(0.0, 0.02, generator=generator)
+            else:
+                whole = torch.empty(self._full_shape(name, tensor), dtype=self.dtype, device=self.device)
+                whole.normal_(0.0, 0.02, generator=generator)
+                dim, start, length = self.shard_of(name) or (0, 0, whole.shape[0])
+                tensor.copy_(whole.narrow(dim, start, length))
+                del whole
 
     @torch.no_grad()
     def load_safetensors(self, folder) -> None:

@@ -156,9 +156,8 @@ class GpuSampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
         errors: dict[int, str] = {}
         for index in np.flatnonzero(p.special[rows]):
-            count = None if output_counts is None else int(output_counts[index])
             try:
-                _adjust_row(logits[index], requests[index], count)
+                _adjust_row(logits[index], requests[index])
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
         self._ban_stops_before_min_tokens(logits, rows, requests, output_counts)
@@ -223,12 +222,10 @@ class GpuSampler:
         return torch.argmax(probs / noise, dim=-1)
 
 
-def _adjust_row(row: torch.Tensor, request: Request, num_output: int | None = None) -> None:
-    """Penalties and bans of one request, as the CPU reference sampler applies them.
-    `num_output`: its generated tokens, in flight included (default: what it holds)."""
+def _adjust_row(row: torch.Tensor, request: Request) -> None:
+    """Penalties and bans of one request, as the CPU reference sampler applies them
+    (min_tokens is applied to all rows at once: `_ban_stops_before_min_tokens`)."""
     params = request.params
-    if num_output is None:
-        num_output = request.num_output_tokens
     device = row.device
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
@@ -243,7 +240,5 @@ def _adjust_row(row: torch.Tensor, request: Request, num_output: int | None = No
     for sequence in request.banned_multi:
         if _tail_matches(request.token_ids, sequence[:-1]):
             banned.add(sequence[-1])
-    if num_output < params.min_tokens:
-        banned |= request.stop_token_ids
     if banned:
         row[torch.tensor(sorted(banned), dtype=torch.int64, device=device)] = float("-inf")
