@@ -76,27 +76,27 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int = 128, steps: int
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     sync()
-    reset_host_times(engine)
+    reset_host_times(engine.host_seconds)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
     pipelined = (time.perf_counter() - start) * 1e3 / steps
-    host = host_ms_per_step(engine)
+    host = host_ms_per_step(engine.host_seconds)
     while engine.has_unfinished():
         engine.step()
     return {"synced": statistics.median(times), "pipelined": pipelined, "host_ms_per_step": host}
 
 
-def reset_host_times(engine: Engine) -> None:
-    for key in engine.host_seconds:
-        engine.host_seconds[key] = 0
+def reset_host_times(times: dict) -> None:
+    """Zero a host-time record (`Engine.host_seconds`, `TensorParallelRunner.host_seconds`)."""
+    for key in times:
+        times[key] = 0
 
 
-def host_ms_per_step(engine: Engine) -> dict:
-    """The engine's host time per step by part (asynchronous scheduling): `wait` is the GPU
-    time the host work did not hide; the rest is host work."""
-    times = engine.host_seconds
+def host_ms_per_step(times: dict) -> dict:
+    """A host-time record per step, in ms, by part. The engine's (asynchronous scheduling):
+    `wait` is the GPU time the host work did not hide; the rest is host work."""
     steps = max(1, times["steps"])
     return {key: round(value * 1e3 / steps, 3) for key, value in times.items() if key != "steps"} | {
         "steps": times["steps"]}
@@ -260,7 +260,7 @@ def main() -> None:
         llm = LLM(spec, engine=engine, load_tokenizer_too=False)
         llm.generate(prompts[:64], params)  # warm-up
         sync()
-        reset_host_times(engine)
+        reset_host_times(engine.host_seconds)
         start = time.perf_counter()
         results = llm.generate(prompts, params)
         sync()
@@ -269,7 +269,7 @@ def main() -> None:
         report["throughput"] = {"requests": args.requests, "output_tokens": tokens, "seconds": round(elapsed, 2),
                                 "output_tokens_per_s": round(tokens / elapsed, 1),
                                 "preemptions": engine.stats().num_preemptions_total,
-                                "host_ms_per_step": host_ms_per_step(engine)}
+                                "host_ms_per_step": host_ms_per_step(engine.host_seconds)}
         print(f"  host ms per step: {report['throughput']['host_ms_per_step']}", flush=True)
         print(f"engine-only {args.requests} x 128/128: {tokens / elapsed:,.0f} output tokens/s ({elapsed:.1f} s)",
               flush=True)
@@ -294,14 +294,14 @@ def main() -> None:
             capped_llm = LLM(spec, engine=capped, load_tokenizer_too=False)
             capped_llm.generate(prompts[:64], params)
             sync()
-            reset_host_times(capped)
+            reset_host_times(capped.host_seconds)
             start = time.perf_counter()
             results = capped_llm.generate(prompts, params)
             sync()
             seconds = time.perf_counter() - start
             report["throughput"][f"max_batch_size_{cap}_tokens_per_s"] = round(tokens / seconds, 1)
-            report["throughput"][f"max_batch_size_{cap}_host_ms_per_step"] = host_ms_per_step(capped)
-            print(f"  host ms per step: {host_ms_per_step(capped)}", flush=True)
+            report["throughput"][f"max_batch_size_{cap}_host_ms_per_step"] = host_ms_per_step(capped.host_seconds)
+            print(f"  host ms per step: {host_ms_per_step(capped.host_seconds)}", flush=True)
             print(f"engine-only {args.requests} x 128/128 at max_batch_size {cap}: {tokens / seconds:,.0f} "
                   f"output tokens/s ({seconds:.1f} s)", flush=True)
             del capped, capped_llm

@@ -42,7 +42,7 @@ from inflightllm.engine import Engine  # noqa: E402
 from inflightllm.llm import LLM  # noqa: E402
 from inflightllm.model_source import ModelSpec  # noqa: E402
 from inflightllm.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_gpu import decode_step_ms, profile_decode  # noqa: E402
+from perf.bench_gpu import decode_step_ms, host_ms_per_step, profile_decode, reset_host_times  # noqa: E402
 
 REPORT: dict = {}
 
@@ -196,11 +196,10 @@ def section_decode_and_throughput(args, sections) -> None:
             if "profile" in sections:
                 host = getattr(engine.runner, "host_seconds", None)
                 if host is not None:
-                    for key in host:
-                        host[key] = 0
+                    reset_host_times(host)
                 REPORT.setdefault("profile", {})[f"tp{tp}"] = {"kernels": profile_decode(engine, 1, steps=20)}
                 if host is not None and host["steps"]:
-                    per_step = {k: round(v * 1e3 / host["steps"], 3) for k, v in host.items() if k != "steps"}
+                    per_step = host_ms_per_step(host)
                     REPORT["profile"][f"tp{tp}"]["rank0_host_ms_per_step"] = per_step
                     print(f"TP={tp} rank 0 host ms per step: {per_step}", flush=True)
                 save(args.out)
@@ -277,35 +276,22 @@ def main() -> None:
     sections = set(args.sections.split(","))
     REPORT["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                          "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    for name, function in [("exact", section_exact)]:
-        if name in sections:
-            try:
-                function(args)
-            except Exception as error:  # noqa: BLE001 - record and go on to the next section
-                logging.exception("section %s failed", name)
-                REPORT[f"{name}_error"] = f"{type(error).__name__}: {error}"
-            save(args.out)
-    if sections & {"decode", "throughput"}:
+    # Each section's failure is recorded and the next one runs. "failure" goes last: it
+    # aborts NCCL communicators in this process.
+    steps = [
+        ("exact", "exact" in sections, lambda: section_exact(args)),
+        ("decode", bool(sections & {"decode", "throughput"}), lambda: section_decode_and_throughput(args, sections)),
+        ("dp", "dp" in sections, lambda: section_data_parallel(args)),
+        ("failure", "failure" in sections, lambda: section_failure(args)),
+    ]
+    for name, wanted, run in steps:
+        if not wanted:
+            continue
         try:
-            section_decode_and_throughput(args, sections)
-        except Exception as error:  # noqa: BLE001
-            logging.exception("decode/throughput failed")
-            REPORT["decode_error"] = f"{type(error).__name__}: {error}"
-        save(args.out)
-    if "dp" in sections:
-        try:
-            section_data_parallel(args)
-        except Exception as error:  # noqa: BLE001
-            logging.exception("dp failed")
-            REPORT["dp_error"] = f"{type(error).__name__}: {error}"
-        save(args.out)
-    # Last: it aborts NCCL communicators in this process.
-    if "failure" in sections:
-        try:
-            section_failure(args)
-        except Exception as error:  # noqa: BLE001
-            logging.exception("failure section failed")
-            REPORT["failure_error"] = f"{type(error).__name__}: {error}"
+            run()
+        except Exception as error:  # noqa: BLE001 - record and go on to the next section
+            logging.exception("section %s failed", name)
+            REPORT[f"{name}_error"] = f"{type(error).__name__}: {error}"
         save(args.out)
     print(json.dumps(REPORT, indent=1))
 
