@@ -142,13 +142,20 @@ def test_fp32_chunked_prefill_equals_transformers(fp32_engine_and_reference):
     assert_equal(reference, prompts, MAX_TOKENS[:8], results)
 
 
-def test_fp32_preemption_equals_transformers(fp32_engine_and_reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fp32_preemption_equals_transformers(fp32_engine_and_reference, mode):
+    """Preempted requests are recomputed, or (swap) their KV blocks go to host memory and
+    come back by CUDA copies; either way the ids stay transformers'."""
     engine, reference = fp32_engine_and_reference
-    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8)
+    swap = {"preemption_mode": "swap", "swap_space_blocks": 200} if mode == "swap" else {}
+    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, **swap)
     prompts = make_prompts(8, engine.vocab_size, seed=2)
     max_tokens = [40] * 8
     results = run(tight, prompts, max_tokens)
-    assert tight.stats().num_preemptions_total > 0, "the schedule should have preempted"
+    stats = tight.stats()
+    assert stats.num_preemptions_total > 0, "the schedule should have preempted"
+    if mode == "swap":
+        assert stats.num_swapped_out_total > 0, "the schedule should have swapped requests out"
     assert_equal(reference, prompts, max_tokens, results)
 
 
@@ -161,18 +168,6 @@ def test_fp32_prefix_hits_equal_transformers(fp32_engine_and_reference):
     rest = run(cached, prompts[1:], [16] * 5)
     assert cached.stats().prefix_cache_hits > 0
     assert_equal(reference, prompts, [16] * 6, first + rest)
-
-
-def test_fp32_swap_preemption_equals_transformers(fp32_engine_and_reference):
-    """preemption_mode swap: a preempted request's KV blocks go to host memory and come back
-    (CUDA copies) instead of being recomputed; the ids stay transformers'."""
-    engine, reference = fp32_engine_and_reference
-    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, preemption_mode="swap", swap_space_blocks=200)
-    prompts = make_prompts(8, engine.vocab_size, seed=2)
-    max_tokens = [40] * 8
-    results = run(tight, prompts, max_tokens)
-    assert tight.stats().num_swapped_out_total > 0, "the schedule should have swapped requests out"
-    assert_equal(reference, prompts, max_tokens, results)
 
 
 def test_min_tokens_holds_back_stop_ids_in_the_batched_gpu_sampler(fp32_engine_and_reference):
