@@ -339,6 +339,22 @@ def main() -> None:
                           "prefill_tflops": round(flops / prefill_time / 1e12, 1) if prefill_time else None}
         print(f"8 x 32k prompts + 256 out: {done} done in {elapsed:.1f} s; prefill {prefill_tokens} tokens in "
               f"{prefill_time:.2f} s = {flops / max(prefill_time, 1e-9) / 1e12:.0f} TFLOP/s", flush=True)
+    if "small-batch" in sections:
+        # Side by side: the fused small-batch kernels vs cuBLAS GEMVs + separate norm/RoPE/SiLU
+        # kernels, decode steps of 1-8 sequences, graphs re-captured for each.
+        runner, gpu_model = engine.runner, engine.runner.model
+        initial = gpu_model.small_batch_kernels, gpu_model.small_batch_max_tokens
+        table = {}
+        for label, flag in (("fused", True), ("unfused", False)):
+            gpu_model.small_batch_kernels, gpu_model.small_batch_max_tokens = flag, 8
+            runner._capture_graphs()
+            table[label] = {batch: round(decode_step_ms(engine, batch)["pipelined"], 3) for batch in (1, 2, 4, 8)}
+        gpu_model.small_batch_kernels, gpu_model.small_batch_max_tokens = initial
+        runner._capture_graphs()
+        report["small_batch"] = table
+        for batch in (1, 2, 4, 8):
+            print(f"decode step batch {batch}: fused small-batch kernels {table['fused'][batch]:.3f} ms, "
+                  f"unfused {table['unfused'][batch]:.3f} ms between tokens", flush=True)
     if "profile" in sections:
         report["profile"] = {}
         for batch in (1, 256):

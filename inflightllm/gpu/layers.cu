@@ -143,3 +143,272 @@ __global__ void silu_and_mul_vec(T* __restrict__ out, const T* __restrict__ gate
     }
     *reinterpret_cast<uint4*>(out + row * (long)width + j0) = ov;
 }
+
+// ---- Small-batch decode kernels (M <= 8 tokens) ---------------------------------------------
+// At batch 1-8 a decode step is a chain of weight GEMVs with small kernels between them, and
+// inside a CUDA graph each small kernel costs a few microseconds of launch latency. These fold
+// them into the GEMVs: the next GEMV's prologue does the residual add and RMSNorm (each block
+// recomputes the normed rows of its M tokens into shared memory), the qkv GEMV's epilogue does
+// RoPE, the gate/up GEMV's epilogue does SiLU*mul. One warp computes one "unit" (a row, or the
+// row pair an epilogue needs) over the whole K: no split-K, no reduce kernel. Weights are read
+// with 16-byte streaming loads. Intermediate values are rounded to T where the unfused torch
+// path rounds them; the dot products' summation order differs from cuBLAS, so results are not
+// bitwise those of the unfused path (within bf16 rounding).
+
+__device__ __forceinline__ void unpack(const uint4& v, float* f, __nv_bfloat16) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 t = __bfloat1622float2(p[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
+__device__ __forceinline__ void unpack(const uint4& v, float* f, __half) {
+    const __half2* p = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 t = __half22float2(p[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
+__device__ __forceinline__ void unpack(const uint4& v, float* f, float) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
+
+// The U x R 16-byte weight chunks of a batch at chunk c (lane-strided by 32), streaming loads.
+template <typename T, int R, int U>
+__device__ __forceinline__ void load_batch(uint4 (&w)[U][R], const T* const* rows, int c) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r]) + c + 32 * u);
+}
+
+// Whether the lane's batch at chunk c is whole (the unrolled loop); the rest goes chunk by chunk.
+template <int U>
+__device__ __forceinline__ bool whole_batch(int c, int chunks) { return c + 32 * (U - 1) < chunks; }
+
+// acc[r][m] += dot(W row r, x[m]) over this lane's 16-byte chunks (lane, lane + 32, ...);
+// rows[r] point at the R weight rows, x at `count` rows of K values (shared or global memory).
+// The caller has loaded the first batch into w (load_batch at c = lane, if whole_batch): the
+// norm kernels issue it before their prologue so that memory is busy while they normalize.
+template <typename T, int M, int R, int U>
+__device__ __forceinline__ void warp_dot(const T* const* rows, const T* x, int count, int K, float (&acc)[R][M],
+                                         uint4 (&w)[U][R]) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int lane = threadIdx.x & 31;
+    const int chunks = K / VEC;
+    int c = lane;
+    for (bool first = true; whole_batch<U>(c, chunks); c += 32 * U, first = false) {
+        if (!first) load_batch<T, R, U>(w, rows, c);
+        // All U*R loads of the batch stay in flight together: without this, ptxas may
+        // interleave each load with the FMAs of the one before.
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                asm volatile("" : "+r"(w[u][r].x), "+r"(w[u][r].y), "+r"(w[u][r].z), "+r"(w[u][r].w));
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float wf[R][VEC];
+#pragma unroll
+            for (int r = 0; r < R; ++r) unpack(w[u][r], wf[r], T());
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                if (m >= count) break;
+                const uint4 xv = *(reinterpret_cast<const uint4*>(x + (long)m * K) + c + 32 * u);
+                float xf[VEC];
+                unpack(xv, xf, T());
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
+            }
+        }
+    }
+    for (; c < chunks; c += 32) {
+        float wf[R][VEC];
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack(__ldcs(reinterpret_cast<const uint4*>(rows[r]) + c), wf[r], T());
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if (m >= count) break;
+            const uint4 xv = *(reinterpret_cast<const uint4*>(x + (long)m * K) + c);
+            float xf[VEC];
+            unpack(xv, xf, T());
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1)
+                acc[r][m] += __shfl_xor_sync(0xffffffff, acc[r][m], offset);
+}
+
+// Prologue of the fused norm GEMVs: xs[m] = weight * rmsnorm(r[m]) for the block's M tokens,
+// with r = T(residual + delta) (delta may be null: r = residual). Block 0 writes r to
+// residual_out (a different buffer from residual_in: other blocks still read the input).
+template <typename T, int M>
+__device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ residual_in, const T* __restrict__ delta,
+                                              T* __restrict__ residual_out, const T* __restrict__ weight,
+                                              float eps, int count, int K) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int chunks = K / VEC;
+    for (int m = 0; m < count; ++m) {
+        const uint4* res = reinterpret_cast<const uint4*>(residual_in + (long)m * K);
+        const uint4* del = reinterpret_cast<const uint4*>(delta + (long)m * K);
+        uint4* xv = reinterpret_cast<uint4*>(xs + (long)m * K);
+        float sum = 0.0f;
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            uint4 rv = res[c];
+            if (delta != nullptr) {
+                const uint4 dv = del[c];
+                T* rs = reinterpret_cast<T*>(&rv);
+                const T* ds = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) rs[i] = from_f<T>(__fadd_rn(to_f<T>(rs[i]), to_f<T>(ds[i])));
+                if (blockIdx.x == 0) reinterpret_cast<uint4*>(residual_out + (long)m * K)[c] = rv;
+            }
+            xv[c] = rv;  // the summed row, normalized in place below
+            const T* rs = reinterpret_cast<const T*>(&rv);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) { const float v = to_f<T>(rs[i]); sum += v * v; }
+        }
+        const float inv = rsqrtf(block_sum(sum) / K + eps);
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            uint4 v = xv[c];
+            const uint4 wv = reinterpret_cast<const uint4*>(weight)[c];
+            T* vs = reinterpret_cast<T*>(&v);
+            const T* ws = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i)
+                vs[i] = from_f<T>(__fmul_rn(to_f<T>(ws[i]), round_t<T>(__fmul_rn(to_f<T>(vs[i]), inv))));
+            xv[c] = v;
+        }
+    }
+    __syncthreads();
+}
+
+// qkv[m] = rope(W_qkv @ rmsnorm(residual_in[m] + delta[m]) + bias), one warp per row pair
+// (i, i + head_dim/2) of a q, k or v head (RoPE rotates those two; v pairs are written as is);
+// with a slot_mapping, k and v are written to the paged KV cache too.
+// Dynamic shared memory: M * K * sizeof(T).
+template <typename T, int M>
+__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
+        T* __restrict__ qkv, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
+        const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
+        const long* __restrict__ positions, const T* __restrict__ cos_sin,
+        const long* __restrict__ slot_mapping, T* __restrict__ key_cache, T* __restrict__ value_cache,
+        int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* xs = reinterpret_cast<T*>(smem_raw);
+    const int half = head_dim / 2;
+    const int units = (num_heads + 2 * num_kv_heads) * half;
+    const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int head = unit / half, i = unit % half;
+    const long row1 = (long)head * head_dim + i, row2 = row1 + half;
+    const T* rows[2] = {W + row1 * K, W + row2 * K};
+    uint4 w[4][2];
+    if (unit < units && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
+    if (unit >= units) return;
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
+    warp_dot<T, M, 2, 4>(rows, xs, count, K, acc, w);
+    if ((threadIdx.x & 31) != 0) return;
+    const long width = (long)(num_heads + 2 * num_kv_heads) * head_dim;
+    const bool rotate = head < num_heads + num_kv_heads;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (m >= count) break;
+        float x1 = acc[0][m], x2 = acc[1][m];
+        if (bias != nullptr) { x1 += to_f<T>(bias[row1]); x2 += to_f<T>(bias[row2]); }
+        x1 = round_t<T>(x1);
+        x2 = round_t<T>(x2);
+        if (rotate) {
+            const T* cache = cos_sin + positions[m] * head_dim;
+            const float c = to_f<T>(cache[i]), s = to_f<T>(cache[half + i]);
+            const float o1 = __fadd_rn(round_t<T>(__fmul_rn(x1, c)), round_t<T>(__fmul_rn(-x2, s)));
+            const float o2 = __fadd_rn(round_t<T>(__fmul_rn(x2, c)), round_t<T>(__fmul_rn(x1, s)));
+            x1 = o1;
+            x2 = o2;
+        }
+        qkv[m * width + row1] = from_f<T>(x1);
+        qkv[m * width + row2] = from_f<T>(x2);
+        // k and v rows also go to the paged cache ([blocks, block_size, kv_heads, head_dim]) at
+        // the token's slot (negative: padding, skipped), as reshape_and_cache would.
+        if (slot_mapping != nullptr && head >= num_heads) {
+            const long slot = slot_mapping[m];
+            if (slot >= 0) {
+                const int kv = head - num_heads;  // 0..2 kv_heads - 1: k heads, then v heads
+                T* cache = kv < num_kv_heads ? key_cache : value_cache;
+                const long base = (slot * num_kv_heads + kv % num_kv_heads) * head_dim + i;
+                cache[base] = from_f<T>(x1);
+                cache[base + half] = from_f<T>(x2);
+            }
+        }
+    }
+}
+
+// act[m, j] = silu(gate_j . x[m]) * (up_j . x[m]) with x[m] = rmsnorm(residual_in[m] + delta[m]);
+// W = [gate (inter rows) | up (inter rows)]; one warp per j. Dynamic shared memory: M * K * sizeof(T).
+template <typename T, int M>
+__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
+        T* __restrict__ act, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
+        const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
+        int inter, int count, int K, float eps) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* xs = reinterpret_cast<T*>(smem_raw);
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const T* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
+    uint4 w[4][2];
+    if (j < inter && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
+    if (j >= inter) return;
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
+    warp_dot<T, M, 2, 4>(rows, xs, count, K, acc, w);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (m >= count) break;
+        float g = acc[0][m], u = acc[1][m];
+        if (bias != nullptr) { g += to_f<T>(bias[j]); u += to_f<T>(bias[inter + j]); }
+        g = round_t<T>(g);
+        u = round_t<T>(u);
+        const float a = round_t<T>(g / (1.0f + expf(-g)));
+        act[(long)m * inter + j] = from_f<T>(__fmul_rn(a, u));
+    }
+}
+
+// out[m] = W @ x[m] + bias, one warp per pair of output rows (n, n + 1): half as many warps
+// as rows, so that the o and down GEMVs of an 8B model run in one wave of resident blocks;
+// x read from global memory (L1-cached).
+template <typename T, int M>
+__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
+        T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K) {
+    const int n = 2 * (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+    if (n >= N) return;
+    const bool pair = n + 1 < N;
+    const T* rows[2] = {W + (long)n * K, W + (long)(pair ? n + 1 : n) * K};
+    uint4 w[4][2];
+    if (whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
+    warp_dot<T, M, 2, 4>(rows, x, count, K, acc, w);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (m >= count) break;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (r == 1 && !pair) break;
+            float v = acc[r][m];
+            if (bias != nullptr) v += to_f<T>(bias[n + r]);
+            out[(long)m * N + n + r] = from_f<T>(v);
+        }
+    }
+}

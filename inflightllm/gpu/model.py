@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,23 @@ from inflightllm.models.loader import (
 )
 
 logger = logging.getLogger(__name__)
+
+SMALL_BATCH_ENV = "INFLIGHTLLM_SMALL_BATCH_KERNELS"
+SMALL_BATCH_MAX_TOKENS = 1
+
+
+def small_batch_kernels_enabled(dtype: torch.dtype) -> bool:
+    """Whether steps of at most 8 tokens run the fused small-batch kernels (docs/GPU-ENGINE.md):
+    `INFLIGHTLLM_SMALL_BATCH_KERNELS` = auto (default: for bf16 and fp16; float32 keeps cuBLAS,
+    whose summation order the exactness tests against `transformers` rely on), on, or off."""
+    setting = os.environ.get(SMALL_BATCH_ENV, "auto").strip().lower()
+    if setting in ("on", "1", "true", "yes"):
+        return True
+    if setting in ("off", "0", "false", "no"):
+        return False
+    if setting != "auto":
+        raise ValueError(f"{SMALL_BATCH_ENV}={setting!r}: use auto, on or off")
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 class GpuLlama:
@@ -57,6 +75,10 @@ class GpuLlama:
         hidden, inter = arch.hidden_size, self.intermediate_size
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
+        self.small_batch_kernels = small_batch_kernels_enabled(dtype)
+        # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
+        # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 4).
+        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
 
         def empty(*shape):
             return torch.empty(*shape, dtype=dtype, device=device)
@@ -211,13 +233,10 @@ class GpuLlama:
         eps = arch.rms_norm_eps
         num_tokens = input_ids.shape[0]
         tp = self.tp
-        if tp is None:
-            residual = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        else:  # vocab-parallel: this rank's rows, zeros elsewhere, summed over the ranks
-            inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-            residual = F.embedding((input_ids - self.vocab_start) * inside, self.embed)
-            residual.mul_(inside.unsqueeze(1).to(residual.dtype))
-            tp.all_reduce(residual)
+        residual = self._embed(input_ids)
+        if (self.small_batch_kernels and num_tokens <= self.small_batch_max_tokens
+                and ops.small_batch_ok(num_tokens, arch.hidden_size, self.dtype)):
+            return self._forward_small(residual, positions, attention, metadata)
         hidden = torch.empty_like(residual)
         ops.rms_norm(hidden, residual, self.layers[0]["input_norm"], eps)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, arch.head_dim
@@ -250,6 +269,77 @@ class GpuLlama:
                 tp.all_reduce(hidden)
         ops.add_rms_norm(hidden, residual, self.final_norm, eps)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's first rows [num_tokens, hidden]."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        # vocab-parallel: this rank's rows, zeros elsewhere, summed over the ranks
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        residual = F.embedding((input_ids - self.vocab_start) * inside, self.embed)
+        residual.mul_(inside.unsqueeze(1).to(residual.dtype))
+        self.tp.all_reduce(residual)
+        return residual
+
+    def _forward_small(self, residual: torch.Tensor, positions: torch.Tensor, attention, metadata) -> torch.Tensor:
+        """`forward` for a few tokens (at most 8) with the fused small-batch kernels: per layer, a
+        qkv GEMV with the residual add + RMSNorm in its prologue and RoPE in its epilogue,
+        attention, an o GEMV, a gate/up GEMV with add + RMSNorm before and SiLU*mul after,
+        and a down GEMV. The residual alternates between two buffers (a kernel's blocks read
+        one while its first block writes the sum to the other)."""
+        eps = self.arch.rms_norm_eps
+        tp = self.tp
+        num_tokens, hidden_size = residual.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.arch.head_dim
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        row_bias = tp is None or tp.rank == 0
+        spare = torch.empty_like(residual)
+        delta = None  # the last o/down output, not yet added to the residual
+        # The qkv kernel writes K/V into the paged cache itself when the backend's cache is
+        # the plain [blocks, block_size, kv_heads, head_dim] one of the CUDA backend.
+        caches = getattr(attention, "key_cache", None), getattr(attention, "value_cache", None)
+        slots = getattr(metadata, "slot_mapping", None)
+        kv_in_kernel = (
+            slots is not None and caches[0] is not None and len(caches[0]) == len(self.layers)
+            and getattr(attention, "dtype", None) == self.dtype
+        )
+        for index, layer in enumerate(self.layers):
+            qkv = torch.empty(num_tokens, k_end + self.kv_size, dtype=self.dtype, device=self.device)
+            ops.qkv_norm_rope(
+                qkv, residual, delta, spare, layer["input_norm"], layer["qkv"], layer.get("qkv_bias"),
+                positions, self.cos_sin, heads, kv_heads, head_dim, eps,
+                *((slots, caches[0][index], caches[1][index]) if kv_in_kernel else ()),
+            )
+            if delta is not None:
+                residual, spare = spare, residual
+            attended = attention.forward(
+                index,
+                qkv[:, :q_end].view(num_tokens, heads, head_dim),
+                qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim),
+                qkv[:, k_end:].view(num_tokens, kv_heads, head_dim),
+                metadata,
+                **({"kv_written": True} if kv_in_kernel else {}),
+            )
+            delta = ops.small_gemv(
+                torch.empty(num_tokens, hidden_size, dtype=self.dtype, device=self.device),
+                attended.reshape(num_tokens, self.q_size).contiguous(), layer["o"],
+                layer.get("o_bias") if row_bias else None,
+            )
+            if tp is not None:
+                tp.all_reduce(delta)
+            activated = torch.empty(num_tokens, self.intermediate_size, dtype=self.dtype, device=self.device)
+            ops.gate_up_norm_silu(
+                activated, residual, delta, spare, layer["post_norm"], layer["gate_up"], layer.get("gate_up_bias"), eps
+            )
+            residual, spare = spare, residual
+            delta = ops.small_gemv(
+                torch.empty(num_tokens, hidden_size, dtype=self.dtype, device=self.device), activated, layer["down"],
+                layer.get("down_bias") if row_bias else None,
+            )
+            if tp is not None:
+                tp.all_reduce(delta)
+        ops.add_rms_norm(delta, residual, self.final_norm, eps)
+        return delta
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

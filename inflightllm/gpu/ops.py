@@ -120,3 +120,110 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
             (blocks,), (256,), (_ptr(out), _ptr(gate_up), np.int32(width), np.int64(total))
         )
     return out
+
+
+# ---- Small-batch decode kernels (layers.cu, "Small-batch decode kernels") --------------------
+SMALL_BATCH_M = (1, 2, 4, 8)  # template sizes; a launch uses the smallest that holds its tokens
+MAX_SMALL_BATCH = SMALL_BATCH_M[-1]
+SMALL_KERNELS = ("qkv_norm_rope", "gate_up_norm_silu", "small_gemv")
+_WARPS_PER_BLOCK = 8
+_MAX_SHARED = 227 * 1024  # H100/H200 opt-in shared memory per block
+
+
+@functools.cache
+def _small_module(dtype: torch.dtype):
+    import cupy
+
+    ctype = CUDA_TYPES[dtype]
+    names = [f"{kernel}<{ctype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
+    module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+    module.compile()
+    return module
+
+
+_shared_set: dict[tuple, int] = {}
+
+
+def _small_kernel(name: str, dtype: torch.dtype, tokens: int, shared: int = 0):
+    m = next(size for size in SMALL_BATCH_M if size >= tokens)
+    function = _small_module(dtype).get_function(f"{name}<{CUDA_TYPES[dtype]},{m}>")
+    key = (name, dtype, m)
+    if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
+        function.max_dynamic_shared_size_bytes = shared
+        _shared_set[key] = shared
+    return function
+
+
+def small_batch_ok(tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether the small-batch kernels take `tokens` rows of width `hidden` (their norm
+    prologue keeps the rows in shared memory; rows go in 16-byte chunks)."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    return (
+        dtype in CUDA_TYPES and 0 < tokens <= MAX_SMALL_BATCH and hidden % vec == 0
+        and next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * (16 // vec) <= _MAX_SHARED
+    )
+
+
+def _ptr_or_null(tensor: torch.Tensor | None) -> np.uintp:
+    return np.uintp(0) if tensor is None else np.uintp(tensor.data_ptr())
+
+
+def _check_rows(**tensors: torch.Tensor | None) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and not (tensor.is_contiguous() and tensor.data_ptr() % 16 == 0):
+            raise ValueError(f"small-batch kernel: {name} must be contiguous and 16-byte aligned")
+
+
+def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bias, positions, cos_sin,
+                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                  slot_mapping=None, key_cache=None, value_cache=None) -> None:
+    """qkv [n, (heads + 2 kv_heads) * head_dim] = RoPE(weight @ rmsnorm(r) + bias) with
+    r = residual_in + delta (delta None: r = residual_in), written to residual_out too. With
+    slot_mapping (int64 [n], -1 = skip) the k and v rows are also written to the paged caches
+    [blocks, block_size, kv_heads, head_dim] (as the attention backend's reshape_and_cache)."""
+    if slot_mapping is not None:
+        if slot_mapping.dtype != torch.int64 or key_cache.dtype != qkv.dtype or value_cache.dtype != qkv.dtype:
+            raise ValueError("small-batch kernel: slot_mapping must be int64 and the caches of the model's dtype")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.shape[-2:] != (num_kv_heads, head_dim):
+            raise ValueError("small-batch kernel: caches must be contiguous [blocks, block_size, kv_heads, head_dim]")
+    tokens, hidden = residual_in.shape
+    _check_rows(qkv=qkv, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
+    if positions.dtype != torch.int64:
+        raise ValueError("small-batch kernel: positions must be int64")
+    units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
+    shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
+    _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, shared)(
+        (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
+        (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
+         _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
+         _ptr_or_null(value_cache), np.int32(num_heads), np.int32(num_kv_heads),
+         np.int32(head_dim), np.int32(tokens), np.int32(hidden), np.float32(eps)),
+        shared_mem=shared,
+    )
+
+
+def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight, bias, eps: float) -> None:
+    """act [n, inter] = silu(gate) * up of weight [2 inter, hidden] @ rmsnorm(residual_in + delta),
+    the summed rows written to residual_out."""
+    tokens, hidden = residual_in.shape
+    inter = act.shape[1]
+    _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
+    shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
+    _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, shared)(
+        (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
+        (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
+         _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
+        shared_mem=shared,
+    )
+
+
+def small_gemv(out, x, weight, bias) -> torch.Tensor:
+    """out [n, N] = x [n, K] @ weight[N, K].T + bias, for n <= MAX_SMALL_BATCH."""
+    tokens, width = x.shape
+    rows = weight.shape[0]
+    _check_rows(out=out, x=x, weight=weight)
+    _small_kernel("small_gemv", x.dtype, tokens)(
+        (-(-rows // (2 * _WARPS_PER_BLOCK)),), (32 * _WARPS_PER_BLOCK,),
+        (_ptr(out), _ptr(x), _ptr(weight), _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width)),
+    )
+    return out

@@ -288,3 +288,101 @@ def test_fused_layer_kernels_match_torch(dtype):
         qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
         apply_rotary(k_ref, cos, sin),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_small_batch_kernels_match_the_unfused_ops(dtype, tokens):
+    """The fused small-batch kernels (norm+GEMV+RoPE, norm+GEMV+SiLU*mul, GEMV) against the
+    unfused path: add_rms_norm, cuBLAS, rotary, silu_and_mul. The residual sum is bitwise the
+    same; GEMV outputs differ only by summation order (rounding). Widths exercise both the
+    unrolled main loop and the tail loop of the kernels."""
+    from inflightllm.gpu import ops
+
+    device = torch.device("cuda")
+    torch.manual_seed(tokens)
+    hidden, heads, kv_heads, head_dim, inter = 1024, 16, 4, 64, 2816
+    width = (heads + 2 * kv_heads) * head_dim
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    residual, delta = rand(tokens, hidden), rand(tokens, hidden)
+    norm_w = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    w_qkv, b_qkv = rand(width, hidden, scale=0.02), rand(width, scale=0.1)
+    w_gate_up, w_down, w_o = rand(2 * inter, hidden, scale=0.02), rand(hidden, inter, scale=0.02), rand(hidden, hidden, scale=0.02)
+    positions = torch.randint(0, 4000, (tokens,), device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.arange(4096, device=device).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype).contiguous()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with ops.torch_stream():
+        # reference: the unfused ops
+        ref_res, ref_h = residual.clone(), delta.clone()
+        ops.add_rms_norm(ref_h, ref_res, norm_w, 1e-5)
+        ref_qkv = torch.nn.functional.linear(ref_h, w_qkv, b_qkv)
+        ops.rotary(ref_qkv[:, : heads * head_dim], ref_qkv[:, heads * head_dim :], positions, cos_sin, heads, kv_heads, head_dim)
+        ref_first = torch.empty_like(residual)
+        ops.rms_norm(ref_first, residual, norm_w, 1e-5)
+        ref_first_qkv = torch.nn.functional.linear(ref_first, w_qkv, b_qkv)
+        ops.rotary(ref_first_qkv[:, : heads * head_dim], ref_first_qkv[:, heads * head_dim :], positions, cos_sin,
+                   heads, kv_heads, head_dim)
+        ref_act = ops.silu_and_mul(torch.empty(tokens, inter, device=device, dtype=dtype),
+                                   torch.nn.functional.linear(ref_h, w_gate_up))
+        ref_down = torch.nn.functional.linear(ref_act, w_down)
+        ref_o = torch.nn.functional.linear(ref_h, w_o)
+
+        qkv = torch.full((tokens, width), float("nan"), device=device, dtype=dtype)
+        out_res = torch.full_like(residual, float("nan"))
+        ops.qkv_norm_rope(qkv, residual, delta, out_res, norm_w, w_qkv, b_qkv, positions, cos_sin,
+                          heads, kv_heads, head_dim, 1e-5)
+        # the same with the K/V cache write in the epilogue, against reshape_and_cache
+        from inflightllm.attention.cuda import ops as attention_ops
+
+        caches = [torch.zeros(4, 16, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(4)]
+        slots = torch.randperm(64, device=device)[:tokens]
+        if tokens > 1:
+            slots[1] = -1  # padding: skipped
+        k_ref = ref_qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+        v_ref = ref_qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+        attention_ops.reshape_and_cache(k_ref, v_ref, caches[0], caches[1], slots, attention_ops.current_stream())
+        cached_qkv = torch.full_like(qkv, float("nan"))
+        ops.qkv_norm_rope(cached_qkv, residual, delta, torch.empty_like(residual), norm_w, w_qkv, b_qkv, positions,
+                          cos_sin, heads, kv_heads, head_dim, 1e-5, slots, caches[2], caches[3])
+        first_qkv = torch.full_like(qkv, float("nan"))
+        untouched = torch.full_like(residual, float("nan"))
+        ops.qkv_norm_rope(first_qkv, residual, None, untouched, norm_w, w_qkv, b_qkv, positions, cos_sin,
+                          heads, kv_heads, head_dim, 1e-5)
+        act = torch.full((tokens, inter), float("nan"), device=device, dtype=dtype)
+        out_res2 = torch.full_like(residual, float("nan"))
+        ops.gate_up_norm_silu(act, residual, delta, out_res2, norm_w, w_gate_up, None, 1e-5)
+        down = ops.small_gemv(torch.full_like(residual, float("nan")), ref_act, w_down, None)
+        o = ops.small_gemv(torch.full_like(residual, float("nan")), ref_h, w_o, None)
+        torch.cuda.synchronize()
+    assert torch.equal(out_res, ref_res) and torch.equal(out_res2, ref_res)
+    assert torch.isnan(untouched).all(), "without a delta the kernel writes no residual"
+    torch.testing.assert_close(qkv, ref_qkv, **tol)
+    assert torch.equal(cached_qkv, qkv)
+    torch.testing.assert_close(caches[2], caches[0], **tol)  # keys: written where the reference wrote
+    torch.testing.assert_close(caches[3], caches[1], **tol)  # values
+    assert (caches[2] != 0).sum() == (caches[0] != 0).sum()
+    torch.testing.assert_close(first_qkv, ref_first_qkv, **tol)
+    torch.testing.assert_close(act, ref_act, **tol)
+    torch.testing.assert_close(down, ref_down, **tol)
+    torch.testing.assert_close(o, ref_o, **tol)
+
+
+def test_fp32_small_batch_kernels_equal_transformers(monkeypatch):
+    """The engine with the small-batch kernels forced on for float32 (every step of at most
+    8 tokens, CUDA graphs of buckets 1-8 included) still gives transformers' greedy ids."""
+    from inflightllm.gpu import model as gpu_model
+
+    monkeypatch.setenv(gpu_model.SMALL_BATCH_ENV, "on")
+    monkeypatch.setattr(gpu_model, "SMALL_BATCH_MAX_TOKENS", 8)
+    engine = Engine(model_spec("float32"), gpu_config(max_batch_size=8), sampler_seed=0)
+    assert engine.loaded.model.small_batch_kernels
+    reference = Reference(engine)
+    prompts = [p[:8] for p in make_prompts(8, engine.vocab_size, seed=9)]
+    results = run(engine, prompts, [24] * 8, [0, 0, 1, 2, 3, 5, 8, 9])
+    assert_equal(reference, prompts, [24] * 8, results)
+    assert engine.runner.graphs

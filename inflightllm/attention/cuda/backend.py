@@ -230,12 +230,13 @@ class CudaPagedAttention(AttentionBackend):
         return "mma"
 
     # ------------------------------------------------------------------ attention
-    def forward(self, layer_index, query, key, value, metadata: CudaAttentionMetadata, out=None):
+    def forward(self, layer_index, query, key, value, metadata: CudaAttentionMetadata, out=None, kv_written=False):
         """query [T, H, d], key/value [T, kvh, d] (strided views fine, e.g. of a fused qkv
         output; query is copied only if its base or strides are not 16-byte multiples, key and
         value are read in place, with 2/4-byte instead of 16-byte accesses when misaligned).
         Writes K/V to the cache, then attends. Returns out [T, H, d] (contiguous; pass `out`
-        to write into a preallocated buffer, e.g. a CUDA-graph static output)."""
+        to write into a preallocated buffer, e.g. a CUDA-graph static output). kv_written: the
+        caller already wrote this step's K/V to the cache (the fused small-batch qkv kernel)."""
         num_tokens = query.shape[0]
         if out is None:
             out = torch.empty(
@@ -244,7 +245,8 @@ class CudaPagedAttention(AttentionBackend):
         stream = ops.current_stream()
         key_cache = self.key_cache[layer_index]
         value_cache = self.value_cache[layer_index]
-        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, stream)
+        if not kv_written:
+            ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, stream)
         if not ops.aligned16(query):  # e.g. an odd offset: copy into fresh (aligned) memory
             query = query.clone(memory_format=torch.contiguous_format)
         window = self.sliding_window or 0
