@@ -557,8 +557,30 @@ def server_phases(profile_path: Path, overrides: dict, workload: Workload, texts
                                timeout=args.server_timeout) as served:
         out["server"] = {**served.describe(), "start_s": round(time.perf_counter() - started, 1)}
         print(f"[server] ready in {out['server']['start_s']} s (gRPC {served.server.grpc_url})", flush=True)
+        out["server"]["placement"] = engine_placement(served.server.metrics_url)
+        for line in out["server"]["placement"]:
+            print(f"[server] engine instance {line['instance']} runs on {line['gpu']}", flush=True)
         run(served.server.grpc_url, served.server.process.pid)
     return out
+
+
+def engine_placement(metrics_url: str) -> list[dict]:
+    """Each engine instance's device as the instance itself reports it (the
+    `inflightllm_engine_gpu` gauge, set from where its weights are): [{instance, gpu}]."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError as error:
+        return [{"instance": "?", "gpu": f"metrics unreadable: {error}"}]
+    found = []
+    for line in text.splitlines():
+        if line.startswith("inflightllm_engine_gpu{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            found.append({"instance": labels.get("instance", "?"), "gpu": labels.get("gpu", "?")})
+    return sorted(found, key=lambda item: item["instance"])
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -625,6 +647,9 @@ def markdown(report: dict) -> str:
                      f"{report['client_procs']} client processes")
     elif server:
         lines.append(f"- server: the running one at {server.get('url')}; {report['client_procs']} client processes")
+    if server.get("placement"):
+        lines.append("- engine instances, each as it reports itself (`inflightllm_engine_gpu`): "
+                     + ", ".join(f"{item['instance']} on {item['gpu']}" for item in server["placement"]))
     for name in ("nostream", "stream"):
         phase = phases.get(name)
         if phase and phase["server_cpu"]["cpu_s_by_process"]:

@@ -108,3 +108,12 @@ def test_one_run_measures_every_phase_and_every_token_arrives(model_repo_server,
     written = plots.render_from_json(out / "bench_gpu_server-smollm2-cpu.json", tmp_path / "later")
     assert sorted(p.name for p in written) == ["bench_gpu_server-smollm2-cpu-bars.png",
                                                "bench_gpu_server-smollm2-cpu.json", "bench_gpu_server-smollm2-cpu.md"]
+
+
+@pytest.mark.server
+def test_engine_placement_reads_each_instance_s_own_report(model_repo_server):
+    """The benchmark records where each engine instance says it runs (the instance's
+    `inflightllm_engine_gpu` gauge): on this CPU machine, every instance on the CPU."""
+    placement = bench_gpu_server.engine_placement(model_repo_server.metrics_url)
+    assert placement, "no engine instance reported its device"
+    assert all(item["gpu"] == "cpu" and item["instance"].startswith("engine") for item in placement), placement

@@ -21,18 +21,31 @@ SOURCE = Path(__file__).with_name("layers.cu")
 
 
 @functools.cache
-def _module():
+def _module(device: int):
+    """The compiled kernels, loaded on GPU `device`: a CuPy module is loaded on the device
+    current when it is first used, so each GPU of the process gets its own (two engines on
+    two GPUs in one process, e.g. data-parallel engines driven from one program)."""
     import cupy
 
     names = [f"{kernel}<{ctype}>" for kernel in KERNELS for ctype in CUDA_TYPES.values()]
-    module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
-    module.compile()
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+        module.compile()
     return module
 
 
 @functools.cache
-def _kernel(name: str, dtype: torch.dtype):
-    return _module().get_function(f"{name}<{CUDA_TYPES[dtype]}>")
+def _kernel(name: str, dtype: torch.dtype, device: int | None = None):
+    if device is None:
+        device = torch.cuda.current_device()
+    with _cupy_device(device):
+        return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]}>")
+
+
+def _cupy_device(device: int):
+    import cupy
+
+    return cupy.cuda.Device(device)
 
 
 @functools.cache
@@ -70,7 +83,7 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     """out[t] = weight * rmsnorm(x[t]); x, out: [num_tokens, hidden] contiguous."""
     tokens, hidden = x.shape
     if tokens:
-        _kernel("rms_norm", x.dtype)(
+        _kernel("rms_norm", x.dtype, x.device.index)(
             (tokens,), (_threads(min(hidden, 1024)),), (_ptr(out), _ptr(x), _ptr(weight), np.float32(eps), np.int32(hidden))
         )
     return out
@@ -80,7 +93,7 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """In place: residual += hidden; hidden = weight * rmsnorm(residual)."""
     tokens, width = hidden.shape
     if tokens:
-        _kernel("add_rms_norm", hidden.dtype)(
+        _kernel("add_rms_norm", hidden.dtype, hidden.device.index)(
             (tokens,),
             (_threads(min(width, 1024)),),
             (_ptr(hidden), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
@@ -95,7 +108,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
     tokens = q.shape[0]
     if tokens:
         pairs = (num_heads + num_kv_heads) * head_dim // 2
-        _kernel("rotary", q.dtype)(
+        _kernel("rotary", q.dtype, q.device.index)(
             (tokens,),
             (_threads(min(pairs, 512)),),
             (_ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin), np.int32(num_heads), np.int32(num_kv_heads),
@@ -111,12 +124,12 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     vec = 16 // gate_up.element_size()
     if total and width % vec == 0 and tokens <= 65535 and _aligned16(gate_up, out):
         threads = 128
-        _kernel("silu_and_mul_vec", gate_up.dtype)(
+        _kernel("silu_and_mul_vec", gate_up.dtype, gate_up.device.index)(
             (-(-width // (threads * vec)), tokens), (threads,), (_ptr(out), _ptr(gate_up), np.int32(width))
         )
     elif total:
         blocks = min((total + 255) // 256, 65535)
-        _kernel("silu_and_mul", gate_up.dtype)(
+        _kernel("silu_and_mul", gate_up.dtype, gate_up.device.index)(
             (blocks,), (256,), (_ptr(out), _ptr(gate_up), np.int32(width), np.int64(total))
         )
     return out
@@ -131,23 +144,30 @@ _MAX_SHARED = 227 * 1024  # H100/H200 opt-in shared memory per block
 
 
 @functools.cache
-def _small_module(dtype: torch.dtype):
+def _small_module(dtype: torch.dtype, device: int):
     import cupy
 
     ctype = CUDA_TYPES[dtype]
     names = [f"{kernel}<{ctype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
-    module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
-    module.compile()
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+        module.compile()
     return module
 
 
 _shared_set: dict[tuple, int] = {}
 
 
-def _small_kernel(name: str, dtype: torch.dtype, tokens: int, shared: int = 0):
+@functools.cache
+def _small_function(name: str, dtype: torch.dtype, m: int, device: int):
+    with _cupy_device(device):
+        return _small_module(dtype, device).get_function(f"{name}<{CUDA_TYPES[dtype]},{m}>")
+
+
+def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0):
     m = next(size for size in SMALL_BATCH_M if size >= tokens)
-    function = _small_module(dtype).get_function(f"{name}<{CUDA_TYPES[dtype]},{m}>")
-    key = (name, dtype, m)
+    function = _small_function(name, dtype, m, device)
+    key = (name, dtype, m, device)
     if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
         function.max_dynamic_shared_size_bytes = shared
         _shared_set[key] = shared
@@ -192,7 +212,7 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
         raise ValueError("small-batch kernel: positions must be int64")
     units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
     shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
-    _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, shared)(
+    _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, residual_in.device.index, shared)(
         (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
          _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
@@ -209,7 +229,7 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
     inter = act.shape[1]
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
     shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
-    _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, shared)(
+    _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, residual_in.device.index, shared)(
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
          _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
@@ -222,7 +242,7 @@ def small_gemv(out, x, weight, bias) -> torch.Tensor:
     tokens, width = x.shape
     rows = weight.shape[0]
     _check_rows(out=out, x=x, weight=weight)
-    _small_kernel("small_gemv", x.dtype, tokens)(
+    _small_kernel("small_gemv", x.dtype, tokens, x.device.index)(
         (-(-rows // (2 * _WARPS_PER_BLOCK)),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(out), _ptr(x), _ptr(weight), _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width)),
     )

@@ -47,16 +47,22 @@ def _raw_module(names: tuple[str, ...]):
 
 
 class _Functions:
-    """One compiled module and its kernels, fetched once."""
+    """One compiled module and its kernels, fetched once, loaded on one GPU: a CuPy module
+    is loaded on the device current at its first use, so each GPU of the process has its own
+    (two engines on two GPUs in one process)."""
 
-    def __init__(self, names: tuple[str, ...]):
+    def __init__(self, names: tuple[str, ...], device: int):
         self.module = _raw_module(names)
+        self.device = device
         self._cache: dict[str, object] = {}
 
     def __getitem__(self, name: str):
         fn = self._cache.get(name)
         if fn is None:
-            fn = self._cache[name] = self.module.get_function(name)
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                fn = self._cache[name] = self.module.get_function(name)
         return fn
 
 
@@ -71,13 +77,13 @@ atexit.register(_release_modules)
 
 
 @functools.cache
-def common_module() -> _Functions:
+def common_module(device: int = 0) -> _Functions:
     names = tuple(f"reshape_and_cache<{vt}>" for vt in _RESHAPE_VT.values()) + ("gather_kv",)
-    return _Functions(names)
+    return _Functions(names, device)
 
 
 @functools.cache
-def dtype_module(dtype: torch.dtype, head_dim: int) -> _Functions:
+def dtype_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions:
     """Decode, reduce and prefill kernels for one (dtype, head_dim); compiled on first use."""
     if dtype not in CTYPE:
         raise ValueError(f"unsupported dtype {dtype}")
@@ -89,7 +95,7 @@ def dtype_module(dtype: torch.dtype, head_dim: int) -> _Functions:
     names.append(f"prefill_fma<{t},{head_dim}>")
     if dtype != torch.float32:
         names.append(f"prefill_mma<{t},{head_dim}>")
-    return _Functions(tuple(names))
+    return _Functions(tuple(names), device)
 
 
 class _StreamRef:
@@ -173,7 +179,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream) 
     if (head_dim * esz) % vec:
         vec = esz
     ratio = vec // esz  # elements per vector
-    fn = common_module()[f"reshape_and_cache<{_RESHAPE_VT[vec]}>"]
+    fn = common_module(key.device.index)[f"reshape_and_cache<{_RESHAPE_VT[vec]}>"]
     args = (
         _p(key),
         _p(value),
@@ -218,7 +224,7 @@ def paged_decode(
     num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket."""
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group)
-    mod = dtype_module(query.dtype, head_dim)
+    mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
     fn = mod[f"{DECODE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim},{maxg}>"]
     if num_splits > 1:
@@ -282,7 +288,7 @@ def prefill(
     """Prefill / chunked-prefill attention of sequences num_decodes.. (kind 'mma' or 'fma')."""
     if num_prefills == 0 or max_query_len == 0:
         return
-    mod = dtype_module(query.dtype, head_dim)
+    mod = dtype_module(query.dtype, head_dim, query.device.index)
     fn = mod[f"prefill_{kind}<{CTYPE[query.dtype]},{head_dim}>"]
     tile = PREFILL_MMA_M if kind == "mma" else PREFILL_FMA_M
     args = (
@@ -326,7 +332,7 @@ def gather_kv(
         return
     row_bytes = key_cache.shape[-2] * key_cache.shape[-1] * key_cache.element_size()
     assert row_bytes % 16 == 0
-    fn = common_module()["gather_kv"]
+    fn = common_module(key_cache.device.index)["gather_kv"]
     args = (
         _p(key_cache),
         _p(value_cache),
