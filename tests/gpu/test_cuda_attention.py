@@ -225,26 +225,6 @@ def test_many_decodes_unsplit(dtype):
         case.check(case.run(decode=decode), f"300 decodes unsplit {str(dtype)[6:]} decode {decode}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_split_reduce_in_the_decode_kernel_matches_the_reduce_kernel(dtype):
-    """v2 combines its splits itself (the last block of each head group, on an atomic
-    counter) or through decode_reduce: both against the float64 reference, equal to each
-    other within rounding, and the counters are back at zero after every launch."""
-    specs = [(1, c) for c in (1, 17, 31, 32, 33, 300, 1000, 2500, 4096, 9)]
-    case = Case(specs, 32, 8, 128, 16, dtype, seed=21, max_model_len=8192)
-    assert case.backend.decode_splits(len(specs)) > 1
-    case.backend.fused_split_reduce = False
-    separate_out = case.run(decode="v2").clone()
-    case.check(separate_out, f"split reduce kernel {str(dtype)[6:]}")
-    case.backend.fused_split_reduce = True
-    for launch in range(3):  # the counters must be reset by each launch
-        out = case.run(decode="v2")
-        case.check(out, f"split reduce in the decode kernel {str(dtype)[6:]}, launch {launch}")
-        assert int(case.backend._split_counters.abs().sum()) == 0
-    torch.testing.assert_close(out, separate_out, rtol=1e-5 if dtype == torch.float32 else 1e-2,
-                               atol=1e-5 if dtype == torch.float32 else 1e-2)
-
-
 def test_prefill_8b_shape():
     case = Case([(4096, 4096)], 32, 8, 128, 16, torch.bfloat16, seed=2, fused=False)
     a = case.run("mma")

@@ -32,10 +32,6 @@ PREFILL_DEFAULT = "flash"
 # "v2": register online softmax, K and V loads together, no barriers in the token loop).
 # INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks and debugging).
 DECODE_DEFAULT = "v2"
-# v2 combines its flash-decoding splits itself (the last block of each head group does), so a
-# decode runs one kernel per layer, not two. INFLIGHTLLM_DECODE_FUSED_REDUCE=0 launches the
-# separate decode_reduce instead (comparisons, debugging).
-SPLIT_COUNTERS = 1 << 20  # int32 counters: sequences x blocks per sequence (4 MiB)
 
 
 def default_decode_impl() -> str:
@@ -107,8 +103,6 @@ class CudaPagedAttention(AttentionBackend):
         self.max_model_len = max_model_len
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" (ops.DECODE_KERNELS)
-        self.fused_split_reduce = os.environ.get("INFLIGHTLLM_DECODE_FUSED_REDUCE", "1").strip() not in ("0", "off")
-        self._split_counters: torch.Tensor | None = None  # zeroed once; each launch leaves them zero
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
@@ -158,7 +152,6 @@ class CudaPagedAttention(AttentionBackend):
         self.dtype = dtype
         self._bs_shift = block_size.bit_length() - 1
         self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
-        self._split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
     # ------------------------------------------------------------------ swap
     def _flat_caches(self) -> _FlatCaches:
@@ -276,7 +269,6 @@ class CudaPagedAttention(AttentionBackend):
                 self.scale,
                 stream,
                 self.decode_impl,
-                self._split_counters if self.fused_split_reduce else None,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:
             kind = self.prefill_kind(query.dtype)

@@ -462,8 +462,8 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
 #define DEC2_CHUNK 1024  // tokens per refresh of the block-table slice in shared memory
 
 template <typename T, int D, int MAXG>
-__device__ __forceinline__ void
-paged_decode_v2_body(const T* __restrict__ q, i64 q_stok, i64 q_shead,
+__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4))
+paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
                 const T* __restrict__ key_cache, const T* __restrict__ value_cache,
                 const int* __restrict__ block_tables, int bt_stride,
                 const int* __restrict__ context_lens,
@@ -663,80 +663,6 @@ paged_decode_v2_body(const T* __restrict__ q, i64 q_stok, i64 q_shead,
                 part_l[hrow * Z + split] = L;
             }
         }
-    }
-}
-
-// The split reduce folded into the decode kernel (Z > 1, split_counters given): each block
-// of a (kv head group, sequence) counts itself done on an atomic counter once its partial is
-// written; the block that arrives last combines the splits as decode_reduce would and resets
-// the counter to 0 for the next launch (so CUDA-graph replays find it zeroed). One kernel per
-// layer instead of two: at small batches the reduce's launch latency was most of its cost.
-template <typename T, int D>
-__device__ __forceinline__ void decode_last_split_reduces(
-        const float* part_out, const float* part_m, const float* part_l, T* __restrict__ out,
-        int* __restrict__ counter, const int* __restrict__ context_lens, int seq, int num_heads,
-        int head0, int ng, int window) {
-    __shared__ int s_last;
-    const int Z = gridDim.z, tid = threadIdx.x;
-    __threadfence();  // this block's partial is visible to the whole device before it counts
-    __syncthreads();
-    if (tid == 0) {
-        const int done = atomicAdd(counter, 1);
-        s_last = (done == Z - 1);
-        if (s_last) atomicExch(counter, 0);
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    // Splits past the context's last one are empty (neutral partials): not read.
-    const int ctx = context_lens[seq];
-    const int start = (window > 0) ? max(0, ctx - window) : 0;
-    const int n = ctx - start;
-    int per = (n + Z - 1) / Z;
-    per = (per + 31) & ~31;
-    const int active = (n <= 0) ? 0 : min(Z, (n + per - 1) / per);
-    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
-        const int g = idx / D, d = idx - g * D;
-        const i64 hrow = (i64)seq * num_heads + head0 + g;
-        const float* pm = part_m + hrow * Z;
-        const float* pl = part_l + hrow * Z;
-        float M = neg_inf();
-        for (int i = 0; i < active; ++i) M = fmaxf(M, __ldcg(pm + i));
-        const float M_use = (M == neg_inf()) ? 0.f : M;
-        float L = 0.f, acc = 0.f;
-        const float* po = part_out + hrow * Z * D + d;
-        for (int i = 0; i < active; ++i) {
-            const float l = __ldcg(pl + i);
-            const float w = (l > 0.f) ? exp2f(__ldcg(pm + i) - M_use) : 0.f;
-            L = fmaf(w, l, L);
-            acc = fmaf(w, __ldcg(po + (i64)i * D), acc);
-        }
-        out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
-    }
-}
-
-template <typename T, int D, int MAXG>
-__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4))
-paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
-                const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-                const int* __restrict__ block_tables, int bt_stride,
-                const int* __restrict__ context_lens,
-                T* __restrict__ out,
-                float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
-                int num_heads, int num_kv_heads, int group, int groups_per_kv,
-                int bs_shift, int window, float scale_log2, int* __restrict__ split_counters) {
-    paged_decode_v2_body<T, D, MAXG>(q, q_stok, q_shead, key_cache, value_cache, block_tables, bt_stride,
-                                     context_lens, out, part_out, part_m, part_l, num_heads, num_kv_heads,
-                                     group, groups_per_kv, bs_shift, window, scale_log2);
-    if (gridDim.z > 1 && split_counters != nullptr) {
-        const int hg = blockIdx.x % groups_per_kv;
-        const int kvh = blockIdx.x / groups_per_kv;
-        const int MAXG_ = MAXG;
-        const int g0 = hg * MAXG_;
-        const int ng = min(MAXG_, group - g0);
-        decode_last_split_reduces<T, D>(part_out, part_m, part_l, out,
-                                        split_counters + (i64)blockIdx.y * gridDim.x + blockIdx.x, context_lens,
-                                        blockIdx.y, num_heads, kvh * group + g0, ng, window);
     }
 }
 

@@ -218,14 +218,10 @@ def paged_decode(
     scale,
     stream,
     variant="v2",
-    split_counters=None,
 ) -> None:
     """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
 
-    num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With
-    split_counters (int32, zeroed once, at least num_decodes * blocks per sequence; v2
-    only) the v2 kernel combines its splits itself (the last block of each head group does)
-    and no decode_reduce is launched."""
+    num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket."""
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
@@ -262,15 +258,8 @@ def paged_decode(
         _i32(window or 0),
         np.float32(scale * np.log2(np.e)),
     )
-    blocks_per_seq = num_kv_heads * per_kv
-    fused_reduce = (
-        variant == "v2" and num_splits > 1 and split_counters is not None
-        and split_counters.numel() >= num_decodes * blocks_per_seq
-    )
-    if variant == "v2":
-        args = args + (_p(split_counters) if fused_reduce else np.uint64(0),)
-    _launch(fn, (blocks_per_seq, num_decodes, num_splits), DECODE_THREADS, args, stream)
-    if num_splits > 1 and not fused_reduce:
+    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream)
+    if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
         _launch(red, (num_heads, num_decodes), head_dim, args, stream)
