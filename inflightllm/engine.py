@@ -32,7 +32,7 @@ class QueueFullError(InvalidRequestError):
     """The waiting queue holds max_queue_size requests: the new one is refused at once."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one request has to report after a step (or an abort)."""
 
