@@ -459,8 +459,9 @@ class Engine:
                 request.num_inflight -= 1
             request.token_ids.append(token_ids[row])
             request.logprobs.append(logprobs[row] or 0.0)
-            request.top_logprob_ids.append(top_ids[row])
-            request.top_logprob_values.append(top_logprobs[row])
+            if request.params.top_logprobs:  # read by `_output` only then: no list a token kept otherwise
+                request.top_logprob_ids.append(top_ids[row])
+                request.top_logprob_values.append(top_logprobs[row])
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
