@@ -24,7 +24,7 @@ SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 .PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
 	bench-experiments perf-analyzer bench-gpu-server plots-from-json \
-	bench-bookkeeping soak bench-pieces
+	bench-bookkeeping soak bench-pieces bench-host-path
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -176,6 +176,12 @@ perf-analyzer: install prepare-model
 # alone (default and batched postprocessing) and SmolLM2 on CPU (perf/bench_pieces.py).
 bench-pieces: install prepare-model
 	OMP_NUM_THREADS=1 $(PY) -m perf.bench_pieces $(BENCH_ARGS)
+
+# Host CPU per generated token of the engine process without Triton (dummy engine):
+# engine-only steps and the engine loop + response sender + metrics, stream=false/true.
+bench-host-path: install prepare-model
+	for mode in engine loop; do for stream in "" --stream; do \
+	  OMP_NUM_THREADS=1 $(PY) -m perf.bench_host_path --mode $$mode $$stream $(BENCH_ARGS) | tail -1; done; done
 
 # Host time per engine step at 256 running and 5,000 waiting requests (no model).
 bench-bookkeeping: install

@@ -217,6 +217,9 @@ class BlockManager:
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens of a running request. Returns False,
         allocating nothing, when there are not enough free blocks."""
+        table = request.block_table
+        if table and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # fits in the blocks it holds (most decode steps): nothing to allocate
         if not self.can_append(request, num_new_tokens):
             return False
         self._grow(request, num_new_tokens)

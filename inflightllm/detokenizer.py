@@ -104,7 +104,9 @@ def context_window(
     `token_ids[begin:end]` that `vocabulary` shows, in order, hidden ones left out.
     Without a vocabulary: the last `window` tokens. Costs O(window) unless hidden ids
     sit among the last `window` tokens; then O(the run of hidden ids) as well."""
-    recent = list(token_ids[max(begin, end - window) : end])
+    recent = token_ids[max(begin, end - window) : end]
+    if type(recent) is not list:  # a list's slice is a new list already: not copied twice
+        recent = list(recent)
     if vocabulary is None or not recent:
         return recent
     if max(recent) < vocabulary.num_ids and vocabulary.special_ids.isdisjoint(recent):

@@ -93,6 +93,7 @@ class DummyRunner:
         self.num_blocks = num_blocks
         self.states = RequestStates()
         self._prompt_keys: dict[str, int] = {}
+        self._position_mix: list[int] = []  # _mix(position) by output position
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, num_blocks: int) -> DummyRunner:
@@ -116,20 +117,30 @@ class DummyRunner:
         # No KV memory: swaps move nothing. The states keep the tokens and block tables.
         self.states.update(step)
         result = SampledTokens()
+        # Per scheduled request: lookups hoisted, and `token_at` inlined with the position's
+        # half of the hash cached (`_position_mix[p] == _mix(p)`): the same tokens.
+        states = self.states.requests
+        prompt_keys = self._prompt_keys
+        pool, pool_size, position_mix = self.pool, len(self.pool), self._position_mix
         for request_id, num_new in step.scheduled:
-            state = self.states[request_id]
-            if state.num_computed_tokens + num_new != state.num_tokens:
+            state = states[request_id]
+            tokens = state.token_ids
+            if state.num_computed_tokens + num_new != len(tokens):
                 continue  # a prefill chunk that does not reach the end samples nothing
-            if state.params.logprobs or state.params.top_logprobs:
+            params = state.params
+            if params.logprobs or params.top_logprobs:
                 result.failed[request_id] = LOGPROBS_REFUSED
-                self.states.requests.pop(request_id, None)
+                states.pop(request_id, None)
                 continue
-            key = self._prompt_keys.get(request_id)
+            key = prompt_keys.get(request_id)
             if key is None:
                 key = zlib.crc32(repr(state.prompt_token_ids).encode())
-                self._prompt_keys[request_id] = key
-            token = self.token_at(key, state.num_tokens - len(state.prompt_token_ids))
-            state.token_ids.append(token)
+                prompt_keys[request_id] = key
+            position = len(tokens) - len(state.prompt_token_ids)
+            while len(position_mix) <= position:
+                position_mix.append(_mix(len(position_mix)))
+            token = pool[_mix(key ^ position_mix[position]) % pool_size]
+            tokens.append(token)
             result.request_ids.append(request_id)
             result.token_ids.append(token)
             result.logprobs.append(None)

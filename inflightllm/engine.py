@@ -32,7 +32,7 @@ class QueueFullError(InvalidRequestError):
     """The waiting queue holds max_queue_size requests: the new one is refused at once."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one request has to report after a step (or an abort)."""
 
@@ -449,6 +449,7 @@ class Engine:
         token_ids, logprobs = sampled.token_ids, sampled.logprobs
         top_ids, top_logprobs = sampled.top_ids, sampled.top_logprobs
         none = FinishReason.NONE
+        check_stop, output_of = self._check_stop, self._output
         generated = 0
         for row, request_id in enumerate(sampled.request_ids):
             request = get(request_id)
@@ -458,19 +459,20 @@ class Engine:
                 request.num_inflight -= 1
             request.token_ids.append(token_ids[row])
             request.logprobs.append(logprobs[row] or 0.0)
-            request.top_logprob_ids.append(top_ids[row])
-            request.top_logprob_values.append(top_logprobs[row])
+            if request.params.top_logprobs:  # read by `_output` only then: no list a token kept otherwise
+                request.top_logprob_ids.append(top_ids[row])
+                request.top_logprob_values.append(top_logprobs[row])
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
             generated += 1
             try:
-                reason = self._check_stop(request)
+                reason = check_stop(request)
                 if reason is not none:
                     self._finish(request, reason)
                 elif not request.streaming:
                     continue
-                output = self._output(request)
+                output = output_of(request)
             except Exception as error:  # this request fails alone
                 logger.exception("stop handling failed for request %s", request_id)
                 if not request.is_finished:
@@ -490,32 +492,34 @@ class Engine:
         for request in scheduled.preempted:
             if self._runner_blocks.pop(request.request_id, None) is not None:
                 step.preempted_request_ids.append(request.request_id)
+        # Per scheduled request per step: the lookups hoisted; a held request's entries
+        # (`_runner_held`, and `_runner_blocks` when it got no new block) are already right.
+        runner_blocks = self._runner_blocks
+        cached_requests, packed = step.cached_requests, step.scheduled
         for item in scheduled.scheduled:
             request = item.request
-            sent = self._runner_blocks.get(request.request_id)
+            request_id = request.request_id
+            table = request.block_table
+            sent = runner_blocks.get(request_id)
             if sent is None:
                 step.new_requests.append(
                     NewRequestData(
-                        request_id=request.request_id,
+                        request_id=request_id,
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=request.output_token_ids,
-                        block_ids=list(request.block_table),
+                        block_ids=list(table),
                         num_computed_tokens=request.num_computed_tokens,
                         params=request.params,
                         eos_token_ids=tuple(sorted(request.eos_token_ids)),
                     )
                 )
+                runner_blocks[request_id] = len(table)
+                self._runner_held.add(request_id)
             else:
-                step.cached_requests.append(
-                    CachedRequestData(
-                        request_id=request.request_id,
-                        new_block_ids=request.block_table[sent:],
-                        num_computed_tokens=request.num_computed_tokens,
-                    )
-                )
-            self._runner_blocks[request.request_id] = len(request.block_table)
-            self._runner_held.add(request.request_id)
-            step.scheduled.append((request.request_id, item.num_new_tokens))
+                cached_requests.append(CachedRequestData(request_id, table[sent:], request.num_computed_tokens))
+                if sent != len(table):
+                    runner_blocks[request_id] = len(table)
+            packed.append((request_id, item.num_new_tokens))
         return step
 
     def _drop_last(self, request: Request, count: int) -> None:
@@ -532,19 +536,21 @@ class Engine:
         if token in request.stop_token_ids:  # the sampler bans these below min_tokens
             self._drop_last(request, 1)
             return FinishReason.STOP
-        num_output = request.num_output_tokens
-        min_tokens = request.params.min_tokens
-        for sequence in request.stop_multi:
-            length = len(sequence)
-            # A stop sequence counts only once min_tokens tokens precede it.
-            if (
-                token == sequence[-1]
-                and num_output - length >= min_tokens
-                and tuple(tokens[-length:]) == sequence
-            ):
-                self._drop_last(request, length)
-                return FinishReason.STOP
-        if num_output >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+        num_tokens = len(tokens)
+        num_output = num_tokens - request.num_prompt_tokens
+        if request.stop_multi:
+            min_tokens = request.params.min_tokens
+            for sequence in request.stop_multi:
+                length = len(sequence)
+                # A stop sequence counts only once min_tokens tokens precede it.
+                if (
+                    token == sequence[-1]
+                    and num_output - length >= min_tokens
+                    and tuple(tokens[-length:]) == sequence
+                ):
+                    self._drop_last(request, length)
+                    return FinishReason.STOP
+        if num_output >= request.params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return FinishReason.NONE
 
@@ -578,17 +584,18 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput | None:
         """The output due for this request now, or None (nothing to send yet). Copies
         only the new tokens and the context window: O(new tokens) per call."""
-        num_output = request.num_output_tokens
-        finished = request.is_finished
-        upto = num_output if finished else num_output - self._holdback(request)
+        tokens = request.token_ids
+        base = request.num_prompt_tokens
+        num_output = len(tokens) - base
+        finished = request.status is RequestStatus.FINISHED
+        # `_holdback` is 0 without multi-token stop sequences: not called then.
+        upto = num_output if finished or not request.stop_multi else num_output - self._holdback(request)
         start = request.num_sent_tokens
         if not finished:
             if not request.streaming or upto <= start:
                 return None
             if start > 0 and upto - start < self.config.stream_interval:
                 return None
-        tokens = request.token_ids
-        base = request.num_prompt_tokens
         params = request.params
         wants_logprobs = params.logprobs or params.top_logprobs > 0
         if wants_logprobs:

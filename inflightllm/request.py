@@ -63,6 +63,8 @@ class Request:
 
     # Generated-token bookkeeping.
     logprobs: list[float] = field(default_factory=list)
+    # One entry per generated token, kept only when the request asks for top log probs
+    # (params.top_logprobs > 0); empty otherwise.
     top_logprob_ids: list[list[int]] = field(default_factory=list)
     top_logprob_values: list[list[float]] = field(default_factory=list)
     num_sent_tokens: int = 0  # generated tokens already handed out in outputs

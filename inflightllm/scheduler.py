@@ -35,13 +35,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
 from inflightllm.request import Request, RequestStatus
 
+_priority = attrgetter("priority")
 
-@dataclass
+
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -225,19 +228,33 @@ class Scheduler:
         manager = self.block_manager
 
         # Decodes first (one token each, latency-critical), then prefill chunks; within
-        # each group higher priority first, then admission order.
-        order = sorted(
-            self.running, key=lambda r: (r.num_uncomputed_tokens() > 1, -r.priority, r.admitted_seq)
-        )
+        # each group higher priority first, then admission order. `running` is in
+        # admission order already (requests are appended as admitted), so a partition and
+        # a stable sort by priority alone give that order: no key tuple per request per step.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            if len(request.token_ids) + request.num_inflight - request.num_computed_tokens > 1:
+                prefills.append(request)
+            else:
+                decodes.append(request)
+        decodes.sort(key=_priority, reverse=True)  # stable, also with reverse=True
+        prefills.sort(key=_priority, reverse=True)
+        order = decodes + prefills
+        running = RequestStatus.RUNNING
+        append_slots = manager.append_slots
+        scheduled = output.scheduled
         for request in order:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
             if request.final_pending:
                 continue  # its token in flight finishes it (asynchronous scheduling)
-            num_new = min(request.num_uncomputed_tokens(), budget)
-            while not manager.append_slots(request, num_new):
+            num_new = len(request.token_ids) + request.num_inflight - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not append_slots(request, num_new):
                 victim = self._victim(self.running)
                 if victim.priority > request.priority:
                     victim = request  # never preempt a higher priority for a lower one
@@ -246,7 +263,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                output.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
 
         if output.preempted:

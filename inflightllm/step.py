@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from inflightllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner does not hold (or holds only as preempted state)."""
 
@@ -28,7 +28,7 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner holds: what changed since the last step."""
 
@@ -37,7 +37,7 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class StepDescription:
     """One step: state changes first, then the packed batch to run."""
 
@@ -61,7 +61,7 @@ class StepDescription:
         return sum(count for _, count in self.scheduled)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledTokens:
     """What a runner returns: one sampled token per request whose step reached the end
     of its known tokens, in `request_ids` order."""

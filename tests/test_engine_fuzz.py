@@ -24,6 +24,9 @@ def check_invariants(engine) -> None:
     manager = engine.block_manager
     scheduler = engine.scheduler
     counts = [0] * manager.num_blocks
+    # The scheduler's step order relies on `running` being in admission order.
+    admitted = [request.admitted_seq for request in scheduler.running]
+    assert admitted == sorted(admitted) and len(set(admitted)) == len(admitted)
     for request in scheduler.running:
         assert request.status is RequestStatus.RUNNING
         for block_id in request.block_table:

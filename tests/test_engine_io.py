@@ -80,3 +80,27 @@ def test_responses_do_not_share_data():
     second = output_tensors(_output([41], [30, 40]), _request())
     assert first["output_ids"].tolist() == [[40]] and second["output_ids"].tolist() == [[41]]
     assert first["output_ids"].data_ptr() != second["output_ids"].data_ptr()
+
+
+def test_scalars_are_right_whatever_the_value_and_shared_only_when_small():
+    request = _request()
+    seen = []
+    for handle, (num_output, cum) in enumerate([(5, 0.0), (6, -0.25), (5, 0.0), (20000, -0.0), (-1, 1.5)]):
+        output = RequestOutput("req-7", [40], [], [], [], [], cum, False, FinishReason.NONE, 3, num_output, 2)
+        tensors = output_tensors(output, request, handle=handle % 2)
+        assert tensors["request_handle"].tolist() == [[handle % 2]]
+        assert tensors["num_output_tokens"].tolist() == [[num_output]]
+        assert tensors["num_input_tokens"].tolist() == [[3]] and tensors["num_cached_tokens"].tolist() == [[2]]
+        assert tensors["cum_log_probs"].tolist() == [[cum]]
+        assert str(tensors["cum_log_probs"][0, 0].item()) == str(float(cum))  # -0.0 stays -0.0
+        for name in ("request_handle", "finish_reason", "num_input_tokens", "num_output_tokens",
+                     "num_cached_tokens", "cum_log_probs"):
+            assert list(tensors[name].shape) == [1, 1] and _triton_accepts(tensors[name]), name
+        seen.append(tensors)
+    # Constant values: one tensor (never written to); large or negative counts: fresh ones.
+    assert seen[0]["num_output_tokens"] is seen[2]["num_output_tokens"]
+    assert seen[0]["request_handle"] is not seen[1]["request_handle"]
+    assert seen[0]["request_handle"].tolist() == [[0]] and seen[1]["request_handle"].tolist() == [[1]]
+    assert seen[3]["num_output_tokens"] is not output_tensors(
+        RequestOutput("req-7", [40], [], [], [], [], 0.0, False, FinishReason.NONE, 3, 20000, 2), request
+    )["num_output_tokens"]

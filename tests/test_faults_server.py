@@ -123,7 +123,10 @@ class Background:
 
 
 def long_request(priority: int = 0) -> dict:
-    return {"messages": chat("Write a very long story about a dragon."), "max_tokens": 400, "min_tokens": 400,
+    # As long as the profile allows (max_output_len 1,024): the queue-full check below needs the
+    # running requests still running; with 400 tokens a fast step loop could finish one first,
+    # admit a waiting request and leave the queue no longer full. They are cancelled at the end.
+    return {"messages": chat("Write a very long story about a dragon."), "max_tokens": 1024, "min_tokens": 1024,
             "stream": True, "priority": priority}
 
 

@@ -63,6 +63,28 @@ def test_decodes_go_before_prefill_chunks_of_older_requests():
     assert step(scheduler) == [("a", 1), ("b", 1)]
 
 
+def test_running_requests_are_ordered_decodes_first_then_priority_then_admission():
+    scheduler = make_scheduler(num_blocks=256, max_num_tokens=1000, priority_levels=3)
+    scheduler.add_request(make("a", 2, priority=0))
+    scheduler.add_request(make("b", 3, priority=1))
+    step(scheduler)
+    scheduler.add_request(make("c", 2, priority=2))
+    scheduler.add_request(make("d", 4, priority=0))
+    scheduler.add_request(make("e", 2, priority=1))
+    step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["b", "a", "c", "e", "d"]  # admission order
+    assert [item.request.request_id for item in scheduler.schedule().scheduled] == ["c", "b", "e", "a", "d"]
+    # Uncomputed tails (prefill-like chunks) for some: they go after every decode.
+    for request in scheduler.running:
+        request.num_computed_tokens = request.num_tokens - 1  # undo the step above
+        if request.request_id in ("c", "a"):
+            request.token_ids.extend([9, 9, 9])
+    expected = sorted(scheduler.running,
+                      key=lambda r: (r.num_uncomputed_tokens() > 1, -r.priority, r.admitted_seq))
+    assert [r.request_id for r in expected] == ["b", "e", "d", "c", "a"]
+    assert [item.request.request_id for item in scheduler.schedule().scheduled] == ["b", "e", "d", "c", "a"]
+
+
 def test_max_batch_size_caps_running_requests():
     scheduler = make_scheduler(max_num_tokens=100, max_batch_size=2)
     for name in "abc":

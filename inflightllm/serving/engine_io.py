@@ -6,8 +6,9 @@ functions, so the same code serves CPU and GPU hosts whatever their NumPy.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ class EngineRequest:
     echo_prompt: bool  # non-streaming and not exclude_input_in_output: output starts with the prompt
     timeout_ms: int = 0  # longest wait in the queue; 0 = the profile's default_timeout_microseconds
     arrival_time: float | None = None  # monotonic time it reached the engine model (queue timeouts count from it)
+    # (handle, its `request_handle` tensor): built once, the same in every response of the request.
+    handle_tensor: tuple[int, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
 
 def _scalar(inputs: dict[str, torch.Tensor], name: str):
@@ -120,6 +123,33 @@ def _array(values, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=dtype).reshape(shape))
 
 
+# [1, 1] int32 tensors of the counts and codes below INT32_SCALAR_CACHE_LIMIT, built once
+# per process and shared by every response that carries that value (finish reason, token
+# counts): like the zero-size ones, never written to; Triton copies a response's tensors
+# into its shared memory when the response is sent. At most INT32_SCALAR_CACHE_LIMIT small
+# tensors are ever held.
+INT32_SCALAR_CACHE_LIMIT = 8192
+_INT32_SCALARS: dict[int, torch.Tensor] = {}
+_FLOAT32_ZERO = torch.zeros((1, 1), dtype=torch.float32)
+
+
+def _int32_scalar(value: int) -> torch.Tensor:
+    """`value` as a [1, 1] int32 tensor (shared for small non-negative values)."""
+    tensor = _INT32_SCALARS.get(value)
+    if tensor is None:
+        tensor = torch.from_numpy(np.array(value, dtype=np.int32).reshape(1, 1))
+        if 0 <= value < INT32_SCALAR_CACHE_LIMIT:
+            _INT32_SCALARS[value] = tensor
+    return tensor
+
+
+def _float32_scalar(value: float) -> torch.Tensor:
+    """`value` as a [1, 1] float32 tensor (+0.0, a request without log probs, shared)."""
+    if value == 0.0 and math.copysign(1.0, value) > 0:
+        return _FLOAT32_ZERO
+    return torch.from_numpy(np.array(value, dtype=np.float32).reshape(1, 1))
+
+
 def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0) -> dict[str, torch.Tensor]:
     """The engine model's response tensors for one output (leading batch dim 1).
 
@@ -134,16 +164,19 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
     num_new = len(output.new_token_ids)
     if not (top_k and output.new_top_ids):
         top_k = 0
+    cached_handle = request.handle_tensor
+    if cached_handle is None or cached_handle[0] != handle:
+        cached_handle = request.handle_tensor = (handle, _array(handle, np.int64, (1, 1)))
     int32, float32 = np.int32, np.float32
     return {
-        "request_handle": _array(handle, np.int64, (1, 1)),
+        "request_handle": cached_handle[1],
         "output_ids": _array(token_ids, int32, (1, len(token_ids))),
         "context_ids": _array(context, int32, (1, len(context))),
-        "finish_reason": _array(int(output.finish_reason), int32, (1, 1)),
-        "num_input_tokens": _array(output.num_prompt_tokens, int32, (1, 1)),
-        "num_output_tokens": _array(output.num_output_tokens, int32, (1, 1)),
-        "num_cached_tokens": _array(output.num_cached_tokens, int32, (1, 1)),
-        "cum_log_probs": _array(output.cum_logprob, float32, (1, 1)),
+        "finish_reason": _int32_scalar(int(output.finish_reason)),
+        "num_input_tokens": _int32_scalar(output.num_prompt_tokens),
+        "num_output_tokens": _int32_scalar(output.num_output_tokens),
+        "num_cached_tokens": _int32_scalar(output.num_cached_tokens),
+        "cum_log_probs": _float32_scalar(output.cum_logprob),
         "output_log_probs": _array(output.new_logprobs, float32, (1, len(output.new_logprobs))),
         "top_logprob_ids": _array(output.new_top_ids, int32, (1, num_new, top_k)),
         "top_logprobs": _array(output.new_top_logprobs, float32, (1, num_new, top_k)),

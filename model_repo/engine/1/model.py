@@ -95,9 +95,14 @@ class TritonPythonModel:
                 sink.send_error(f"engine not ready: {getattr(self.runner, 'failure', None) or 'shutting down'}")
                 continue
             try:
+                # One pass over the request's inputs (as get_input_tensor_by_name finds them:
+                # the first of a name), not one `inputs()` list per engine input.
+                by_name = {}
+                for tensor in request.inputs():
+                    by_name.setdefault(tensor.name(), tensor)
                 inputs = {}
                 for name in ENGINE_INPUTS:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    tensor = by_name.get(name)
                     if tensor is not None:
                         inputs[name] = torch.from_dlpack(tensor.to_dlpack())
                 parsed = parse_engine_request(inputs)
