@@ -567,18 +567,13 @@ def server_phases(profile_path: Path, overrides: dict, workload: Workload, texts
 def engine_placement(metrics_url: str) -> list[dict]:
     """Each engine instance's device as the instance itself reports it (the
     `inflightllm_engine_gpu` gauge, set from where its weights are): [{instance, gpu}]."""
-    import re
-    import urllib.request
+    from perf.loadgen import fetch_metrics
 
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as response:
-            text = response.read().decode()
-    except OSError as error:
-        return [{"instance": "?", "gpu": f"metrics unreadable: {error}"}]
+    prefix = "inflightllm_engine_gpu{"
     found = []
-    for line in text.splitlines():
-        if line.startswith("inflightllm_engine_gpu{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+    for key in fetch_metrics(metrics_url):
+        if key.startswith(prefix):
+            labels = dict(item.split("=", 1) for item in key[len(prefix):-1].split(","))
             found.append({"instance": labels.get("instance", "?"), "gpu": labels.get("gpu", "?")})
     return sorted(found, key=lambda item: item["instance"])
 

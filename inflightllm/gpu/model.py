@@ -33,7 +33,7 @@ SMALL_BATCH_MAX_TOKENS = 1
 
 
 def small_batch_kernels_enabled(dtype: torch.dtype) -> bool:
-    """Whether steps of at most 8 tokens run the fused small-batch kernels (docs/GPU-ENGINE.md):
+    """Whether small steps (`SMALL_BATCH_MAX_TOKENS`) run the fused small-batch kernels (docs/GPU-ENGINE.md):
     `INFLIGHTLLM_SMALL_BATCH_KERNELS` = auto (default: for bf16 and fp16; float32 keeps cuBLAS,
     whose summation order the exactness tests against `transformers` rely on), on, or off."""
     setting = os.environ.get(SMALL_BATCH_ENV, "auto").strip().lower()
@@ -77,7 +77,7 @@ class GpuLlama:
         self.kv_size = self.num_kv_heads * arch.head_dim
         self.small_batch_kernels = small_batch_kernels_enabled(dtype)
         # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
-        # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 4).
+        # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 2).
         self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
 
         def empty(*shape):

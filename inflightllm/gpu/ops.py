@@ -164,8 +164,19 @@ def _small_function(name: str, dtype: torch.dtype, m: int, device: int):
         return _small_module(dtype, device).get_function(f"{name}<{CUDA_TYPES[dtype]},{m}>")
 
 
+def _template_m(tokens: int) -> int:
+    """The smallest template size that holds `tokens` rows."""
+    return next(size for size in SMALL_BATCH_M if size >= tokens)
+
+
+def _norm_shared_bytes(rows: torch.Tensor) -> int:
+    """Shared memory of a norm kernel: its template's rows of the residual's width."""
+    tokens, hidden = rows.shape
+    return _template_m(tokens) * hidden * rows.element_size()
+
+
 def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0):
-    m = next(size for size in SMALL_BATCH_M if size >= tokens)
+    m = _template_m(tokens)
     function = _small_function(name, dtype, m, device)
     key = (name, dtype, m, device)
     if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
@@ -177,10 +188,9 @@ def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, share
 def small_batch_ok(tokens: int, hidden: int, dtype: torch.dtype) -> bool:
     """Whether the small-batch kernels take `tokens` rows of width `hidden` (their norm
     prologue keeps the rows in shared memory; rows go in 16-byte chunks)."""
-    vec = 16 // torch.empty((), dtype=dtype).element_size()
     return (
-        dtype in CUDA_TYPES and 0 < tokens <= MAX_SMALL_BATCH and hidden % vec == 0
-        and next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * (16 // vec) <= _MAX_SHARED
+        dtype in CUDA_TYPES and 0 < tokens <= MAX_SMALL_BATCH and hidden % (16 // dtype.itemsize) == 0
+        and _template_m(tokens) * hidden * dtype.itemsize <= _MAX_SHARED
     )
 
 
@@ -211,7 +221,7 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
     if positions.dtype != torch.int64:
         raise ValueError("small-batch kernel: positions must be int64")
     units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
-    shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
+    shared = _norm_shared_bytes(residual_in)
     _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, residual_in.device.index, shared)(
         (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
@@ -228,7 +238,7 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
     tokens, hidden = residual_in.shape
     inter = act.shape[1]
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
-    shared = next(m for m in SMALL_BATCH_M if m >= tokens) * hidden * residual_in.element_size()
+    shared = _norm_shared_bytes(residual_in)
     _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, residual_in.device.index, shared)(
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
