@@ -233,6 +233,9 @@ class Scheduler:
         # a stable sort by priority alone give that order: no key tuple per request per step.
         decodes: list[Request] = []
         prefills: list[Request] = []
+        # Request.num_uncomputed_tokens() written out here and below: the method and property
+        # calls were measurable per request per step (docs/PERFORMANCE.md, host CPU, third
+        # pass); a tuple per request to count it once cost more (6.0 -> 6.4 us per token).
         for request in self.running:
             if len(request.token_ids) + request.num_inflight - request.num_computed_tokens > 1:
                 prefills.append(request)
