@@ -83,3 +83,36 @@ step() {
   end_leftover_gpu_processes
   return 0
 }
+
+# PYSPY=/path/to/py-spy (a static binary; carry it, e.g. build/tools/py-spy): record_stubs
+# LABEL starts a watcher in the background that attaches py-spy to each Python backend stub
+# of the next server as it appears and records it until it exits (CPU samples of every
+# thread, collapsed stacks: $OUT/pyspy-LABEL-<model>.txt, for flame graphs or a grep).
+# stop_recording ends the watcher. PYSPY_ARGS adds options (e.g. --gil, --native). Without
+# PYSPY both do nothing.
+record_stubs() {
+  [ -n "${PYSPY:-}" ] && [ -x "$PYSPY" ] || return 0
+  local label="$1"
+  (
+    local seen="" pid model
+    for _ in $(seq 1 1800); do
+      for pid in $(pgrep -f triton_python_backend_stub 2>/dev/null); do
+        case " $seen " in *" $pid "*) continue ;; esac
+        model="$(tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null | sed -n 2p | xargs -r dirname | xargs -r dirname | xargs -r basename)"
+        [ -n "$model" ] || continue
+        seen="$seen $pid"
+        "$PYSPY" record --pid "$pid" --rate 100 --threads --nonblocking --format raw ${PYSPY_ARGS:-} \
+          -o "$OUT/pyspy-$label-$model.txt" > "$OUT/pyspy-$label-$model.log" 2>&1 &
+      done
+      sleep 0.5
+    done
+  ) &
+  RECORDER=$!
+}
+
+stop_recording() {
+  [ -n "${RECORDER:-}" ] || return 0
+  kill "$RECORDER" 2>/dev/null
+  RECORDER=""
+  sleep 2  # the py-spy processes write their files when their stubs exit
+}

@@ -19,9 +19,27 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/de
 install_bundle
 # Budget: engine start ~5 s + 1,024 x 128/128 ~10 s, transformers b128 ~30 s, server start
 # ~20 s, two server phases ~10-20 s each; the limit leaves room for a slow start.
-# shellcheck disable=SC2086
-step bench_gpu_server 450 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
-  --out "$OUT" --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 $BENCH_ARGS
+# PHASES_APART=1 runs the server phases in separate calls (a server each), so that a
+# py-spy recording (PYSPY=..., gpu_device_lib.sh) covers one phase: pyspy-nostream-engine.txt,
+# pyspy-stream-engine.txt.
+if [ "${PHASES_APART:-0}" = 1 ]; then
+  record_stubs nostream
+  # shellcheck disable=SC2086
+  step bench_gpu_server 300 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
+    --out "$OUT" --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip transformers,stream $BENCH_ARGS
+  stop_recording
+  mkdir -p "$OUT/nostream" && mv "$OUT"/bench_gpu_server-*.json "$OUT"/bench_gpu_server-*.md "$OUT/nostream/" 2>/dev/null
+  record_stubs stream
+  # shellcheck disable=SC2086
+  step bench_gpu_server_stream 300 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
+    --out "$OUT" --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip engine,transformers,nostream $BENCH_ARGS
+  stop_recording
+  cat "$OUT"/nostream/bench_gpu_server-*.md 2>/dev/null | sed -n '/^| system/,$p'
+else
+  # shellcheck disable=SC2086
+  step bench_gpu_server 450 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
+    --out "$OUT" --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 $BENCH_ARGS
+fi
 
 echo
 echo "=== summary"

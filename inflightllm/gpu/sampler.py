@@ -157,7 +157,7 @@ class GpuSampler:
         errors: dict[int, str] = {}
         for index in np.flatnonzero(p.special[rows]):
             try:
-                _adjust_row(logits[index], requests[index])
+                _adjust_row(logits[index], requests[index], self.upload)
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
         self._ban_stops_before_min_tokens(logits, rows, requests, output_counts)
@@ -187,9 +187,13 @@ class GpuSampler:
         if not len(below):
             return
         ids = [self.stop_ids[int(rows[i])] for i in below]
-        pairs = np.stack([np.repeat(below, [len(a) for a in ids]), np.concatenate(ids)])
-        pairs = self.upload(pairs)
-        logits[pairs[0], pairs[1]] = float("-inf")
+        # One flat index per (row, id), filled with index_fill_: `logits[r, c] = float` would
+        # copy the scalar from pageable host memory, and that copy waits for the stream (it
+        # was half of the engine process's CPU samples on the H200, spinning there, and it
+        # undid the asynchronous scheduling's overlap).
+        vocab = logits.shape[1]
+        flat = np.repeat(below * vocab, [len(a) for a in ids]) + np.concatenate(ids)
+        _fill_neg_inf(logits, self.upload(flat))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         p = self.params
@@ -222,23 +226,29 @@ class GpuSampler:
         return torch.argmax(probs / noise, dim=-1)
 
 
-def _adjust_row(row: torch.Tensor, request: Request) -> None:
+def _fill_neg_inf(logits: torch.Tensor, flat_index: torch.Tensor) -> None:
+    """-inf at these flat positions of `logits` (contiguous), with no host-device sync."""
+    logits.view(-1).index_fill_(0, flat_index, float("-inf"))
+
+
+def _adjust_row(row: torch.Tensor, request: Request, upload) -> None:
     """Penalties and bans of one request, as the CPU reference sampler applies them
-    (min_tokens is applied to all rows at once: `_ban_stops_before_min_tokens`)."""
+    (min_tokens is applied to all rows at once: `_ban_stops_before_min_tokens`). `upload`
+    copies a host array to the device without making the host wait (pinned staging)."""
     params = request.params
-    device = row.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
+        seen = upload(np.array(sorted(set(request.token_ids)), np.int64))
         scores = row[seen]
         penalty = params.repetition_penalty
         row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
     if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
-        outputs = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
-        counts = torch.bincount(outputs, minlength=row.shape[0]).to(row.dtype)
+        outputs = upload(np.asarray(request.output_token_ids, np.int64))
+        # (bincount on the GPU reads the largest id back to size its result: a sync)
+        counts = torch.zeros_like(row).index_add_(0, outputs, torch.ones(outputs.shape, dtype=row.dtype, device=row.device))
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
     banned = set(request.banned_single)
     for sequence in request.banned_multi:
         if _tail_matches(request.token_ids, sequence[:-1]):
             banned.add(sequence[-1])
     if banned:
-        row[torch.tensor(sorted(banned), dtype=torch.int64, device=device)] = float("-inf")
+        _fill_neg_inf(row, upload(np.array(sorted(banned), np.int64)))

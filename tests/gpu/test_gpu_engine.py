@@ -386,3 +386,54 @@ def test_fp32_small_batch_kernels_equal_transformers(monkeypatch):
     results = run(engine, prompts, [24] * 8, [0, 0, 1, 2, 3, 5, 8, 9])
     assert_equal(reference, prompts, [24] * 8, results)
     assert engine.runner.graphs
+
+
+def test_the_gpu_sampler_does_not_wait_for_the_gpu():
+    """min_tokens bans, penalties and bad words queue their work without a host-device sync
+    (under asynchronous scheduling a sync in the sampler made the host wait for the step in
+    flight: on the H200 the min_tokens ban's `logits[r, c] = float` was half of the engine
+    process's CPU through the server). torch's sync debug mode raises on any synchronizing
+    call; the results are checked against the same sampler on the CPU."""
+    from inflightllm.gpu.sampler import GpuSampler
+    from inflightllm.gpu.staging import PinnedStaging
+    from inflightllm.request import Request
+
+    device = torch.device("cuda", 0)
+    vocab = 512
+    params = [
+        SamplingParams(min_tokens=4, stop_sequences=((9,),)),
+        SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(bad_words=((5,), (1, 7))),
+        SamplingParams(),
+    ]
+
+    def states():
+        made = []
+        for i, p in enumerate(params):
+            state = Request(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], params=p, eos_token_ids=frozenset({2}))
+            state.token_ids.extend([4, 4, 1])  # ends with 1: the bad word (1, 7) bans 7
+            made.append(state)
+        return made
+
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, 2] = logits[0, 9] = 50.0  # the stop ids would win if they were not banned
+    logits[2, 5] = logits[2, 7] = 50.0  # the bad words would win
+    rows = np.arange(len(params))
+    results = {}
+    for where in ("cpu", "cuda"):
+        here = torch.device(where) if where == "cpu" else device
+        staging = PinnedStaging(device) if where == "cuda" else None
+        sampler = GpuSampler(here, max_rows=8, seed=0, upload=staging.upload if staging else None)
+        requests = states()
+        for row, state in zip(rows, requests):
+            sampler.add_row(int(row), state)
+        batch = logits.to(here)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = sampler.sample(batch, rows, requests, np.zeros(len(params), np.int64))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results[where] = result.token_ids.cpu().tolist()
+    assert results["cuda"] == results["cpu"]
+    assert results["cuda"][0] not in (2, 9) and results["cuda"][2] not in (5, 7)
