@@ -41,7 +41,7 @@ else
   # chat answers), three per point.
   SWEEP=(--concurrency-range 8:128:40 --request-count 128 --timeout 55)
   # Seconds per step; with the install (at most 120 s, ~15 s in practice) under 9 minutes.
-  LIMITS=(120 95 80 100 85)
+  LIMITS=(150 95 80 100 85)
 fi
 
 note "run_gpu_experiments: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $PROFILE"

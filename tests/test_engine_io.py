@@ -104,3 +104,54 @@ def test_scalars_are_right_whatever_the_value_and_shared_only_when_small():
     assert seen[3]["num_output_tokens"] is not output_tensors(
         RequestOutput("req-7", [40], [], [], [], [], 0.0, False, FinishReason.NONE, 3, 20000, 2), request
     )["num_output_tokens"]
+
+
+def _packed_request(**kwargs) -> EngineRequest:
+    request = _request(**kwargs)
+    request.packed_outputs = True
+    return request
+
+
+def test_packed_responses_unpack_to_the_documented_tensors():
+    """The ensemble's three tensors (inflightllm/packed_outputs.py) give postprocessing
+    exactly the eleven documented tensors: names, dtypes, shapes and values."""
+    import numpy as np
+
+    from inflightllm.packed_outputs import PACKED_F32, PACKED_I32, unpack
+
+    cases = [
+        (_output([40, 41], [7, 8, 9]), {}),
+        (_output([], [5]), {}),  # nothing new (e.g. a stop string held the tokens back)
+        (_output([42], [7], finished=True, reason=FinishReason.LENGTH, logprobs=[-0.5], cum=-1.25), {"echo": True}),
+        (_output([40, 41], [], logprobs=[-0.1, -0.2], top_ids=[[40, 3], [41, 9]],
+                 top_values=[[-0.1, -2.0], [-0.2, -3.5]], cum=-0.3), {"top_logprobs": 2}),
+    ]
+    for output, kwargs in cases:
+        classic = output_tensors(output, _request(**kwargs), handle=99)
+        packed = output_tensors(output, _packed_request(**kwargs), handle=99)
+        assert sorted(packed) == sorted(["request_handle", PACKED_I32, PACKED_F32])
+        assert all(_triton_accepts(tensor) and tensor.shape[0] == 1 for tensor in packed.values())
+        assert packed[PACKED_I32].dtype == torch.int32 and packed[PACKED_F32].dtype == torch.float32
+        unpacked = unpack({name: tensor.numpy() for name, tensor in packed.items()})
+        assert sorted(unpacked) == sorted(classic)
+        for name, tensor in classic.items():
+            expected = tensor.numpy()
+            assert unpacked[name].dtype == expected.dtype, name
+            assert unpacked[name].shape == expected.shape, (name, unpacked[name].shape, expected.shape)
+            np.testing.assert_array_equal(unpacked[name], expected, err_msg=name)
+
+
+def test_a_malformed_packed_response_is_refused_naming_the_problem():
+    import numpy as np
+    import pytest
+
+    from inflightllm.packed_outputs import PACKED_F32, PACKED_I32, unpack
+
+    packed = output_tensors(_output([40, 41], [7]), _packed_request(), handle=1)
+    ints, floats = packed[PACKED_I32].numpy(), packed[PACKED_F32].numpy()
+    with pytest.raises(ValueError, match="needs both"):
+        unpack({PACKED_I32: ints})
+    with pytest.raises(ValueError, match="header"):
+        unpack({PACKED_I32: ints[:, :-1], PACKED_F32: floats})
+    with pytest.raises(ValueError, match="header alone"):
+        unpack({PACKED_I32: np.zeros((1, 3), np.int32), PACKED_F32: floats})

@@ -269,12 +269,14 @@ def test_tensors_follow_the_interface_document(configs):
     # The section ends with the engine's control input, cancel_request.
     *to_engine, control = interface_table("preprocessing → engine")
     assert control[0] == "cancel_request"
-    to_postprocessing = interface_table("engine → postprocessing")
+    to_postprocessing = interface_table("engine → postprocessing")  # packed (inflightllm/packed_outputs.py)
+    engine_outputs = interface_table("engine outputs (called directly)")
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
     assert [row[0] for row in ensemble_inputs if not row[3]] == []  # preprocessing names what is missing
     assert len(ensemble_inputs) == 34 and len(ensemble_outputs) == 12
-    assert len(to_engine) == 22 and len(to_postprocessing) == 11
+    assert len(to_engine) == 22 and len(to_postprocessing) == 3 and len(engine_outputs) == 11
+    assert to_postprocessing[0] == engine_outputs[0]  # request_handle: in both sets
 
     assert tensors(configs["ensemble"].input) == ensemble_inputs
     assert tensors(configs["ensemble"].output) == ensemble_outputs
@@ -282,7 +284,8 @@ def test_tensors_follow_the_interface_document(configs):
     assert tensors(configs["preprocessing"].output) == to_engine
     # The engine's inputs are all optional (a control request carries cancel_request alone).
     assert tensors(configs["engine"].input) == [(n, t, d, True) for n, t, d, _ in [*to_engine, control]]
-    assert tensors(configs["engine"].output) == to_postprocessing
+    # The engine declares both sets: the documented outputs, then the two packed ones.
+    assert tensors(configs["engine"].output) == engine_outputs + to_postprocessing[1:]
     assert tensors(configs["postprocessing"].input) == to_postprocessing
     assert tensors(configs["postprocessing"].output) == ensemble_outputs
 
@@ -306,7 +309,9 @@ def test_ensemble_wiring_is_complete(configs):
     for model, step in steps.items():
         control = {"cancel_request"} if model == "engine" else set()  # sent by postprocessing, not mapped
         assert set(step.input_map) == names(configs[model].input) - control, model
-        assert set(step.output_map) == names(configs[model].output), model
+        # the engine's step maps only its packed outputs: postprocessing's inputs
+        produced_here = names(configs["postprocessing"].input) if model == "engine" else names(configs[model].output)
+        assert set(step.output_map) == produced_here, model
     # Internal tensors start with `_` and are each produced once.
     produced = {}
     for model in MODELS[1:]:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import jinja2
 
+from inflightllm.packed_outputs import PACKED_F32, PACKED_I32
 from inflightllm.profile import (
     DEFAULT_PROFILE,
     REPO_ROOT,
@@ -174,8 +175,8 @@ ENGINE_INPUTS = tuple(_t(t.name, t.data_type, t.dims, optional=True) for t in PR
     _t("cancel_request", "TYPE_INT64", optional=True),
 )
 
-# docs/INTERFACE.md "engine -> postprocessing".
-ENGINE_TO_POSTPROCESSING = (
+# docs/INTERFACE.md "engine -> postprocessing": the engine's documented outputs.
+ENGINE_OUTPUTS = (
     _t("request_handle", "TYPE_INT64"),
     _t("output_ids", "TYPE_INT32", (-1,)),
     _t("context_ids", "TYPE_INT32", (-1,)),
@@ -187,6 +188,15 @@ ENGINE_TO_POSTPROCESSING = (
     _t("output_log_probs", "TYPE_FP32", (-1,)),
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+)
+
+# Inside the ensemble the engine sends the same values in three tensors (it does when a
+# request asks for engine_out_i32): inflightllm/packed_outputs.py. The engine declares both
+# sets; the ensemble maps only these, and postprocessing unpacks them.
+ENGINE_TO_POSTPROCESSING = (
+    _t("request_handle", "TYPE_INT64"),
+    _t(PACKED_I32, "TYPE_INT32", (-1,)),
+    _t(PACKED_F32, "TYPE_FP32", (-1,)),
 )
 
 # Names of the ensemble's internal tensors between the steps.
@@ -302,6 +312,7 @@ def template_context(profile: Profile, tokenizer_env: str | None = None) -> dict
         "ensemble_outputs": ENSEMBLE_OUTPUTS,
         "preprocessing_to_engine": PREPROCESSING_TO_ENGINE,
         "engine_inputs": ENGINE_INPUTS,
+        "engine_outputs": ENGINE_OUTPUTS + ENGINE_TO_POSTPROCESSING[1:],
         "engine_to_postprocessing": ENGINE_TO_POSTPROCESSING,
         "preprocessing_prefix": PREPROCESSING_PREFIX,
         "engine_prefix": ENGINE_PREFIX,

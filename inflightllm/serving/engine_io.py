@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inflightllm import packed_outputs
 from inflightllm.engine import RequestOutput
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
@@ -33,6 +34,9 @@ class EngineRequest:
     echo_prompt: bool  # non-streaming and not exclude_input_in_output: output starts with the prompt
     timeout_ms: int = 0  # longest wait in the queue; 0 = the profile's default_timeout_microseconds
     arrival_time: float | None = None  # monotonic time it reached the engine model (queue timeouts count from it)
+    # The responses carry `request_handle` + the two packed tensors (inflightllm/packed_outputs.py)
+    # instead of the eleven documented ones: the ensemble asks for them.
+    packed_outputs: bool = False
     # (handle, its `request_handle` tensor): built once, the same in every response of the request.
     handle_tensor: tuple[int, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
@@ -151,7 +155,9 @@ def _float32_scalar(value: float) -> torch.Tensor:
 
 
 def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0) -> dict[str, torch.Tensor]:
-    """The engine model's response tensors for one output (leading batch dim 1).
+    """The engine model's response tensors for one output (leading batch dim 1): the
+    documented eleven, or `request_handle` and the two packed ones when the request asked
+    for those (`request.packed_outputs`, the ensemble's case).
 
     `handle` identifies the request to the engine (postprocessing sends it back in a
     `cancel_request` control request when the client cancels)."""
@@ -167,6 +173,19 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
     cached_handle = request.handle_tensor
     if cached_handle is None or cached_handle[0] != handle:
         cached_handle = request.handle_tensor = (handle, _array(handle, np.int64, (1, 1)))
+    if request.packed_outputs:
+        ints, floats = packed_outputs.pack(
+            finish_reason=int(output.finish_reason), num_input_tokens=output.num_prompt_tokens,
+            num_output_tokens=output.num_output_tokens, num_cached_tokens=output.num_cached_tokens,
+            output_ids=token_ids, context_ids=context, cum_log_probs=output.cum_logprob,
+            output_log_probs=output.new_logprobs, top_logprob_ids=output.new_top_ids,
+            top_logprobs=output.new_top_logprobs, top_k=top_k, num_top_rows=num_new,
+        )
+        return {
+            "request_handle": cached_handle[1],
+            packed_outputs.PACKED_I32: torch.from_numpy(ints),
+            packed_outputs.PACKED_F32: torch.from_numpy(floats),
+        }
     int32, float32 = np.int32, np.float32
     return {
         "request_handle": cached_handle[1],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from inflightllm.detokenizer import decode_piece, decode_pieces
+from inflightllm.packed_outputs import PACKED_I32, unpack
 
 FINISH_REASONS = {0: "", 1: "stop", 2: "length", 3: "cancelled"}
 
@@ -84,10 +85,13 @@ def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> d
     """The "Ensemble outputs" tensors for one engine response.
 
     `inputs` maps the "engine -> postprocessing" names to arrays with the leading batch
-    dimension of 1. A response with a non-zero `finish_reason` is the request's last,
+    dimension of 1, or holds the packed ones (`inflightllm.packed_outputs`). A response
+    with a non-zero `finish_reason` is the request's last,
     so an incomplete character at its end is kept (as U+FFFD); earlier pieces hold it
     back until the tokens that complete it arrive.
     """
+    if inputs.get(PACKED_I32) is not None:
+        inputs = unpack(inputs)
     piece = _read_piece(inputs)
     text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
     return _response(inputs, piece, text)
@@ -103,14 +107,20 @@ def build_text_responses(
     it is passed through as that piece's failure.
     """
     pieces: list[_Piece | Exception] = []
+    unpacked: list[Mapping[str, np.ndarray | None] | Exception] = []
     for inputs in batch:
         if isinstance(inputs, Exception):
             pieces.append(inputs)
+            unpacked.append(inputs)
             continue
         try:
+            if inputs.get(PACKED_I32) is not None:  # the ensemble's case: three tensors, not eleven
+                inputs = unpack(inputs)
             pieces.append(_read_piece(inputs))
         except Exception as error:
             pieces.append(error)
+        unpacked.append(inputs)
+    batch = unpacked
     good = [piece for piece in pieces if isinstance(piece, _Piece)]
     try:
         texts: list[str] | None = decode_pieces(

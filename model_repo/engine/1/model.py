@@ -21,6 +21,7 @@ from inflightllm.config import EngineConfig
 from inflightllm.engine import Engine
 from inflightllm.metrics import EngineMetrics
 from inflightllm.model_source import ModelSpec
+from inflightllm.packed_outputs import PACKED_I32
 from inflightllm.parallel.placement import PlacementMetrics, instance_config, where_it_runs
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
@@ -106,6 +107,11 @@ class TritonPythonModel:
                     if tensor is not None:
                         inputs[name] = torch.from_dlpack(tensor.to_dlpack())
                 parsed = parse_engine_request(inputs)
+                # The ensemble asks for the packed outputs only (inflightllm/packed_outputs.py):
+                # three tensors a response instead of eleven. A client that names no outputs
+                # is asked for all of them, and gets the documented ones.
+                asked = request.requested_output_names()
+                parsed.packed_outputs = PACKED_I32 in asked and "output_ids" not in asked
                 self.loop.validate(parsed)
             except InvalidRequestError as error:
                 sink.send_error(str(error))
