@@ -178,26 +178,25 @@ STREAM_TEXT = "Sure! 😀 Here: 你好世界, 👨\u200d👩\u200d👧 and 🇫�
 
 
 def postprocessing_inputs(output_ids, context_ids, finish_reason, num_output_tokens, top_k=2):
-    """One engine response as the engine would send it (log probs made up)."""
+    """One engine response as the engine sends it inside the ensemble: packed
+    (inflightllm/packed_outputs.py; log probs made up)."""
+    import tritonclient.grpc as grpcclient
+
+    from inflightllm.packed_outputs import PACKED_F32, PACKED_I32, pack
+
     count = len(output_ids)
     rng = np.random.default_rng(count * 1000 + num_output_tokens)
     output_log_probs = (-rng.random(count)).astype(np.float32)
     top_ids = rng.integers(0, 49152, size=(1, count, top_k)).astype(np.int32)
     top_logprobs = (-rng.random((1, count, top_k))).astype(np.float32)
-    import tritonclient.grpc as grpcclient
-
-    tensors = [
-        infer_input("request_handle", "INT64", 12345),  # the engine's id; used only to relay cancellations
-        infer_input("output_ids", "INT32", list(output_ids)),
-        infer_input("context_ids", "INT32", list(context_ids)),
-        infer_input("finish_reason", "INT32", finish_reason),
-        infer_input("num_input_tokens", "INT32", 11),
-        infer_input("num_output_tokens", "INT32", num_output_tokens),
-        infer_input("num_cached_tokens", "INT32", 4),
-        infer_input("cum_log_probs", "FP32", float(output_log_probs.sum())),
-        infer_input("output_log_probs", "FP32", output_log_probs.tolist()),
-    ]
-    for name, datatype, array in (("top_logprob_ids", "INT32", top_ids), ("top_logprobs", "FP32", top_logprobs)):
+    ints, floats = pack(
+        finish_reason=finish_reason, num_input_tokens=11, num_output_tokens=num_output_tokens, num_cached_tokens=4,
+        output_ids=list(output_ids), context_ids=list(context_ids), cum_log_probs=float(output_log_probs.sum()),
+        output_log_probs=output_log_probs.tolist(), top_logprob_ids=top_ids[0].tolist(),
+        top_logprobs=top_logprobs[0].tolist(), top_k=top_k, num_top_rows=count,
+    )
+    tensors = [infer_input("request_handle", "INT64", 12345)]  # the engine's id; used only to relay cancellations
+    for name, datatype, array in ((PACKED_I32, "INT32", ints), (PACKED_F32, "FP32", floats)):
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
