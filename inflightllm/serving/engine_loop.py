@@ -49,12 +49,16 @@ class EngineLoop:
 
     # Each admitted request's sink is asked `is_cancelled()` (an IPC round trip in Triton)
     # at most once per CANCEL_POLL_INTERVAL_S, oldest poll first, and at most
-    # MAX_POLLS_PER_STEP sinks a step: the polling costs a bounded host time per step and per
-    # second, not one round trip per request per step (which was one per generated token).
-    # Cancellations through the ensemble arrive as control requests (`cancel`) and are not
-    # delayed by this; Triton's TensorRT-LLM backend checks cancellation every 100 ms too.
+    # MAX_POLLS_PER_STEP sinks per polling round (one round every POLL_TICK_S): a bounded
+    # number of round trips per second, not one per request per step (which was one per
+    # generated token). The rounds run on their own thread: a round trip waits (without the
+    # GIL) for the server, which is slow exactly when the server is busy streaming, and on
+    # the loop thread that wait held up the GPU's next step. Cancellations through the
+    # ensemble arrive as control requests (`cancel`) and are not delayed by this; Triton's
+    # TensorRT-LLM backend checks cancellation every 100 ms too.
     CANCEL_POLL_INTERVAL_S = 0.1
     MAX_POLLS_PER_STEP = 64
+    POLL_TICK_S = 0.01
 
     def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5,
                  cancel_poll_interval_s: float | None = None, max_polls_per_step: int | None = None,
@@ -75,12 +79,16 @@ class EngineLoop:
         # (request id, when its sink was last polled) of admitted requests, oldest poll first;
         # finished ones drop out when they reach the front.
         self._poll_ring: deque[tuple[str, float]] = deque()
+        self._polled_cancels: deque[str] = deque()  # found cancelled by the poller; aborted by the loop
+        self._poll_stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
+        self._poller = threading.Thread(target=self._poll, name="inflightllm-cancel-poller", daemon=True)
         self._sender = ResponseSender(self)
 
     def start(self) -> EngineLoop:
         self._sender.start()
         self._thread.start()
+        self._poller.start()
         return self
 
     def validate(self, request: EngineRequest) -> None:
@@ -128,8 +136,11 @@ class EngineLoop:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
+        self._poll_stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._poller.is_alive():
+            self._poller.join(timeout_s)
         self._sender.stop(timeout_s)
 
     @property
@@ -147,15 +158,18 @@ class EngineLoop:
                 self._inbox.clear()
                 cancels = list(self._cancels)
                 self._cancels.clear()
+                polled = list(self._polled_cancels)
+                self._polled_cancels.clear()
             self._admit(arrivals)
             for handle in cancels:
                 self.engine.abort(self.request_id(handle))
+            for request_id in polled:
+                self.engine.abort(request_id)
             for request_id in self._sender.take_failed():
                 self.engine.abort(request_id)
             if stopping:
                 self._cancel_all()
                 return
-            self._check_cancellations()
             try:
                 outputs = self.engine.step()
             except Exception as error:  # keep serving: fail the requests in flight only
@@ -198,8 +212,26 @@ class EngineLoop:
             self._active[request_id] = (request, sink)
             self._poll_ring.append((request_id, self.clock()))  # polled just above
 
-    def _check_cancellations(self) -> None:
-        """Poll the sinks that are due (see CANCEL_POLL_INTERVAL_S); abort the cancelled."""
+    # ---- the poller thread -------------------------------------------------------------
+    def _poll(self) -> None:
+        """Polling rounds until stopped; the loop thread aborts what they find cancelled."""
+        while not self._poll_stop.wait(self.POLL_TICK_S):
+            try:
+                cancelled = self._check_cancellations()
+            except Exception:  # never let the poller die: the requests would not be polled again
+                logger.exception("cancellation polling failed")
+                continue
+            if cancelled:
+                with self._wakeup:
+                    self._polled_cancels.extend(cancelled)
+                    self._wakeup.notify()
+
+    def _check_cancellations(self) -> list[str]:
+        """Poll the sinks that are due (see CANCEL_POLL_INTERVAL_S); return the ids of the
+        requests found cancelled (or whose sink raised). Reads `_active` (written by the
+        loop thread: single dict reads are atomic) and owns the front of `_poll_ring`
+        (the loop thread only appends admitted requests at its back)."""
+        found: list[str] = []
         now = self.clock()
         ring = self._poll_ring
         polls = 0
@@ -220,7 +252,8 @@ class EngineLoop:
             except Exception:
                 cancelled = True
             if cancelled:
-                self.engine.abort(request_id)
+                found.append(request_id)
+        return found
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the outputs to the sender thread; a finished request leaves `_active` now."""
