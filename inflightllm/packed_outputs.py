@@ -8,8 +8,9 @@ single number. Inside the ensemble the engine sends the same values packed:
 
 - `request_handle` INT64 [1], unchanged (postprocessing reads it alone to relay a
   cancellation);
-- `engine_out_i32` INT32 [-1]: the header below, then `output_ids`, `context_ids` and
-  the `top_logprob_ids` rows (row-major);
+- `engine_out_i32` INT32 [-1]: the header below (its last value is the engine's process
+  id, for the piece ledger), then `output_ids`, `context_ids` and the `top_logprob_ids`
+  rows (row-major);
 - `engine_out_f32` FP32 [-1]: `cum_log_probs`, then `output_log_probs` and the
   `top_logprobs` rows.
 
@@ -40,6 +41,7 @@ HEADER = (
     "num_log_probs",  # length of output_log_probs
     "num_top_rows",  # rows of top_logprob_ids / top_logprobs
     "top_k",  # their columns
+    "sender",  # the engine's process id, for postprocessing's count of answered pieces (inflightllm/piece_ledger.py)
 )
 HEADER_LEN = len(HEADER)
 
@@ -58,6 +60,7 @@ def pack(
     top_logprobs: Sequence[Sequence[float]],
     top_k: int,
     num_top_rows: int,
+    sender: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(engine_out_i32, engine_out_f32), each [1, n] (leading batch dimension 1).
     `num_top_rows`: the generated tokens of this response (the top log prob tensors are
@@ -66,7 +69,7 @@ def pack(
     if top_k and len(top_logprob_ids) != rows:
         raise ValueError(f"top log probs: {len(top_logprob_ids)} rows for {rows} generated tokens")
     ints = [finish_reason, num_input_tokens, num_output_tokens, num_cached_tokens,
-            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k]
+            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k, sender]
     ints += output_ids
     ints += context_ids
     floats = [cum_log_probs]
@@ -78,6 +81,15 @@ def pack(
             ints += ids
             floats += values
     return np.array(ints, np.int32).reshape(1, -1), np.array(floats, np.float32).reshape(1, -1)
+
+
+def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
+    """The process id of the engine that sent this packed response (0: unknown)."""
+    ints = inputs.get(PACKED_I32)
+    if ints is None:
+        return 0
+    ints = np.asarray(ints).reshape(-1)
+    return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
 
 
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:

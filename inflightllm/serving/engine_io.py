@@ -7,6 +7,7 @@ functions, so the same code serves CPU and GPU hosts whatever their NumPy.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -180,6 +181,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
             output_ids=token_ids, context_ids=context, cum_log_probs=output.cum_logprob,
             output_log_probs=output.new_logprobs, top_logprob_ids=output.new_top_ids,
             top_logprobs=output.new_top_logprobs, top_k=top_k, num_top_rows=num_new,
+            sender=os.getpid(),  # postprocessing counts the pieces it answered per engine process
         )
         return {
             "request_handle": cached_handle[1],

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
+from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
 
@@ -62,7 +63,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5,
                  cancel_poll_interval_s: float | None = None, max_polls_per_step: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, piece_ledger: PieceLedger | None = None):
         self.engine = engine
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
@@ -83,7 +84,7 @@ class EngineLoop:
         self._poll_stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._poller = threading.Thread(target=self._poll, name="inflightllm-cancel-poller", daemon=True)
-        self._sender = ResponseSender(self)
+        self._sender = ResponseSender(self, piece_ledger)
 
     def start(self) -> EngineLoop:
         self._sender.start()
@@ -308,8 +309,11 @@ class ResponseSender:
     order. A send that raises marks the request failed; the loop thread aborts it.
     """
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None):
         self.loop = loop
+        # Backpressure from postprocessing (inflightllm/piece_ledger.py): before each round the
+        # sender waits, bounded, while too many of its packed pieces are still unanswered.
+        self.ledger = ledger
         self._queue: deque = deque()  # ("outputs", [(output, request, sink)]) | ("error", sink, message)
         self._failed: deque[str] = deque()
         self._condition = threading.Condition()
@@ -357,6 +361,9 @@ class ResponseSender:
                     self._condition.wait()
                 if not self._queue and self._stopping:
                     return
+            if self.ledger is not None and not self._stopping:
+                self.ledger.wait_for_room()  # meanwhile outputs queue up: they go out coalesced
+            with self._condition:
                 items = list(self._queue)
                 self._queue.clear()
                 self._busy = len(items)  # counted down as each response is handed over
@@ -393,6 +400,8 @@ class ResponseSender:
             try:
                 sink.send(output_tensors(output, request, EngineLoop.handle(output.request_id)), final=output.finished)
                 self.responses_sent += 1
+                if request.packed_outputs and self.ledger is not None:
+                    self.ledger.count_sent()
             except Exception:
                 logger.exception("sending a response failed; cancelling request %s", output.request_id)
                 if not output.finished:

@@ -22,6 +22,7 @@ from inflightllm.engine import Engine
 from inflightllm.metrics import EngineMetrics
 from inflightllm.model_source import ModelSpec
 from inflightllm.packed_outputs import PACKED_I32
+from inflightllm.piece_ledger import PieceLedger
 from inflightllm.parallel.placement import PlacementMetrics, instance_config, where_it_runs
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
@@ -70,7 +71,9 @@ class TritonPythonModel:
         # full collection that the loop's per-step allocations trigger (as vLLM does).
         gc.collect()
         gc.freeze()
-        self.loop = EngineLoop(engine, on_step=self._on_step).start()
+        # Backpressure from postprocessing (inflightllm/piece_ledger.py): None where /dev/shm is missing.
+        self.ledger = PieceLedger.create()
+        self.loop = EngineLoop(engine, on_step=self._on_step, piece_ledger=self.ledger).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()
         logger.info("engine ready: %d KV blocks of %d tokens", stats.num_blocks_total, engine.config.block_size)
@@ -121,6 +124,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+        if self.ledger is not None:
+            self.ledger.close()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:  # tensor parallel: the workers never outlive the model
             shutdown()

@@ -19,6 +19,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer
+from inflightllm.packed_outputs import PACKED_I32, sender
+from inflightllm.piece_ledger import PieceCounter
 from inflightllm.text.postprocess import build_text_responses
 
 
@@ -30,6 +32,7 @@ class TritonPythonModel:
         self.input_names = [tensor["name"] for tensor in config["input"]]
         self.engine_model = params.get("engine_model", "engine")
         self.relayed: OrderedDict[int, None] = OrderedDict()  # handles already relayed (bounded)
+        self.pieces = PieceCounter()
 
     def relay_cancellation(self, request):
         handle = int(pb_utils.get_input_tensor_by_name(request, "request_handle").as_numpy().reshape(-1)[0])
@@ -63,6 +66,10 @@ class TritonPythonModel:
                 batch.append(inputs)
             except Exception as error:  # fails this request only
                 batch.append(error)
+        # Count the answered pieces in their engine's ledger (backpressure: inflightllm/piece_ledger.py).
+        for inputs in batch:
+            if isinstance(inputs, dict) and inputs.get(PACKED_I32) is not None:
+                self.pieces.count_done(sender(inputs))
         responses = []
         for outputs in build_text_responses(batch, self.tokenizer):
             if isinstance(outputs, Exception):  # bad ids or a bug: fail this request only

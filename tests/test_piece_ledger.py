@@ -1,0 +1,74 @@
+"""The piece ledger (inflightllm/piece_ledger.py): the engine's count of pieces sent and
+postprocessing's count of pieces answered, in a shared-memory file; the sender's bounded
+wait for room, and the write-off of pieces that are never answered."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from inflightllm.packed_outputs import PACKED_I32, pack, sender
+from inflightllm.piece_ledger import SHM_DIR, PieceCounter, PieceLedger, ledger_path
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm here")
+
+
+@pytest.fixture
+def ledger():
+    made = PieceLedger.create(window=2, max_wait_s=0.2)
+    assert made is not None and made.path == ledger_path(os.getpid())
+    yield made
+    made.close()
+    assert not made.path.exists()
+
+
+def test_pieces_answered_by_another_process_s_counter_make_room(ledger):
+    counter = PieceCounter()  # postprocessing's side (another process there: the same file)
+    ledger.count_sent(5)
+    assert ledger.in_flight == 5
+    counter.count_done(os.getpid(), 3)
+    assert ledger.in_flight == 2
+    start = time.monotonic()
+    ledger.wait_for_room()  # 2 <= window: no wait
+    assert time.monotonic() - start < 0.05 and ledger.waits == 0
+
+
+def test_the_sender_waits_until_postprocessing_catches_up(ledger):
+    counter = PieceCounter()
+    ledger.count_sent(6)
+    threading.Timer(0.05, counter.count_done, args=(os.getpid(), 4)).start()
+    start = time.monotonic()
+    ledger.wait_for_room()
+    waited = time.monotonic() - start
+    assert 0.04 <= waited < 0.19, waited  # until the answers came, not the whole bound
+    assert ledger.in_flight == 2 and ledger.waits == 1
+
+
+def test_pieces_never_answered_are_written_off_after_one_bounded_wait(ledger):
+    ledger.count_sent(10)  # e.g. their client went away: postprocessing never sees them
+    start = time.monotonic()
+    ledger.wait_for_room()
+    assert 0.19 <= time.monotonic() - start < 1.0
+    assert ledger.in_flight == 0  # written off: the next round does not wait
+    ledger.count_sent(1)
+    start = time.monotonic()
+    ledger.wait_for_room()
+    assert time.monotonic() - start < 0.05
+
+
+def test_a_counter_ignores_engines_without_a_ledger():
+    counter = PieceCounter()
+    counter.count_done(0)
+    counter.count_done(2**31 - 7)  # no such ledger file
+    assert not ledger_path(2**31 - 7).exists()
+
+
+def test_packed_responses_name_their_engine_process():
+    ints, floats = pack(finish_reason=0, num_input_tokens=3, num_output_tokens=1, num_cached_tokens=0,
+                        output_ids=[5], context_ids=[], cum_log_probs=0.0, output_log_probs=[],
+                        top_logprob_ids=[], top_logprobs=[], top_k=0, num_top_rows=1, sender=4242)
+    assert sender({PACKED_I32: ints}) == 4242
+    assert sender({}) == 0
