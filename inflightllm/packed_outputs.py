@@ -8,8 +8,8 @@ single number. Inside the ensemble the engine sends the same values packed:
 
 - `request_handle` INT64 [1], unchanged (postprocessing reads it alone to relay a
   cancellation);
-- `engine_out_i32` INT32 [-1]: the header below (its last value is the engine's process
-  id, for the piece ledger), then `output_ids`, `context_ids` and the `top_logprob_ids`
+- `engine_out_i32` INT32 [-1]: the header below (its last value is the engine's piece
+  ledger id), then `output_ids`, `context_ids` and the `top_logprob_ids`
   rows (row-major);
 - `engine_out_f32` FP32 [-1]: `cum_log_probs`, then `output_log_probs` and the
   `top_logprobs` rows.
@@ -41,7 +41,7 @@ HEADER = (
     "num_log_probs",  # length of output_log_probs
     "num_top_rows",  # rows of top_logprob_ids / top_logprobs
     "top_k",  # their columns
-    "sender",  # the engine's process id, for postprocessing's count of answered pieces (inflightllm/piece_ledger.py)
+    "sender",  # the engine's piece ledger id (0: none), where postprocessing counts answered pieces (inflightllm/piece_ledger.py)
 )
 HEADER_LEN = len(HEADER)
 
@@ -84,7 +84,7 @@ def pack(
 
 
 def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
-    """The process id of the engine that sent this packed response (0: unknown)."""
+    """The piece ledger id of the engine that sent this packed response (0: none)."""
     ints = inputs.get(PACKED_I32)
     if ints is None:
         return 0

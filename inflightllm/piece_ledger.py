@@ -9,10 +9,11 @@ reaches its client late; coalescing, which would have carried the same tokens in
 pieces, never happens because the sender itself is never behind.
 
 The ledger is that sign. Each engine instance owns a 16-byte file in /dev/shm, named by
-its process id, with two counters: pieces sent (written by the engine only) and pieces
-done (written by postprocessing only: it is one instance). The engine puts its process id
-in each packed response (`inflightllm.packed_outputs`); postprocessing counts the pieces
-it has answered in that engine's ledger. The engine's response sender waits, before each
+a random 31-bit id (not the process id: containers with their own process ids may share
+/dev/shm), with two counters: pieces sent (written by the engine only) and pieces done
+(written by postprocessing only: it is one instance). The engine puts the id in each
+packed response (`inflightllm.packed_outputs`, the header's `sender`); postprocessing
+counts the pieces it has answered in that ledger. The engine's response sender waits, before each
 round, while more than `window` pieces are in between: its outputs queue meanwhile and go
 out coalesced. An idle server never waits. The wait is bounded (`max_wait_s`), and a
 ledger whose `done` stops moving is re-based, so pieces that never reach postprocessing
@@ -22,7 +23,7 @@ cannot be made, there is no ledger and no backpressure.
 
 from __future__ import annotations
 
-import os
+import secrets
 import time
 from pathlib import Path
 
@@ -32,18 +33,21 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "inflightllm-pieces-"
 
 
-def ledger_path(pid: int) -> Path:
-    return SHM_DIR / f"{PREFIX}{int(pid)}"
+def ledger_path(ledger_id: int) -> Path:
+    return SHM_DIR / f"{PREFIX}{int(ledger_id)}"
 
 
 class PieceLedger:
     """The engine's side: counts pieces sent, reads pieces done, waits for room."""
 
-    def __init__(self, path: Path, window: int, max_wait_s: float):
-        self.path = path
+    def __init__(self, ledger_id: int, window: int, max_wait_s: float):
+        self.id = ledger_id
+        self.path = path = ledger_path(ledger_id)
         self.window = window
         self.max_wait_s = max_wait_s
-        self._counters = np.memmap(path, dtype=np.uint64, mode="w+", shape=(2,))  # [sent, done]
+        with open(path, "xb") as file:  # a new file: never another engine's ledger
+            file.write(bytes(16))
+        self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]
         self._counters[:] = 0
         self._base = 0  # pieces written off as lost (see wait_for_room)
         self.waits = 0
@@ -51,11 +55,15 @@ class PieceLedger:
 
     @classmethod
     def create(cls, window: int = 64, max_wait_s: float = 0.05) -> PieceLedger | None:
-        """This process's ledger, or None where shared memory is not available."""
-        try:
-            return cls(ledger_path(os.getpid()), window, max_wait_s)
-        except OSError:
-            return None
+        """A new ledger under a random id, or None where shared memory is not available."""
+        for _ in range(8):  # an id already taken (FileExistsError): draw another
+            try:
+                return cls(1 + secrets.randbelow(2**31 - 2), window, max_wait_s)
+            except FileExistsError:
+                continue
+            except OSError:
+                return None
+        return None
 
     @property
     def sent(self) -> int:
@@ -93,28 +101,28 @@ class PieceLedger:
 
 
 class PieceCounter:
-    """Postprocessing's side: counts the pieces it has answered, per engine process."""
+    """Postprocessing's side: counts the pieces it has answered, per engine ledger."""
 
     MAX_LEDGERS = 64
 
     def __init__(self):
         self._open: dict[int, np.memmap | None] = {}
 
-    def count_done(self, pid: int, pieces: int = 1) -> None:
-        """Count `pieces` answered for the engine with this process id (ignored when that
-        engine has no ledger: another server's, a direct client's made-up id)."""
-        counters = self._open.get(pid, False)
+    def count_done(self, ledger_id: int, pieces: int = 1) -> None:
+        """Count `pieces` answered in the ledger with this id (ignored when there is none:
+        an engine without /dev/shm, a direct client's made-up id)."""
+        counters = self._open.get(ledger_id, False)
         if counters is False:
             counters = None
-            if pid > 0:
+            if ledger_id > 0:
                 try:
-                    path = ledger_path(pid)
+                    path = ledger_path(ledger_id)
                     if path.stat().st_size == 16:
                         counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))
                 except (OSError, ValueError):
                     counters = None
             if len(self._open) >= self.MAX_LEDGERS:
                 self._open.pop(next(iter(self._open)))
-            self._open[pid] = counters
+            self._open[ledger_id] = counters
         if counters is not None:
             counters[1] += pieces

@@ -4,7 +4,6 @@ wait for room, and the write-off of pieces that are never answered."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm here")
 @pytest.fixture
 def ledger():
     made = PieceLedger.create(window=2, max_wait_s=0.2)
-    assert made is not None and made.path == ledger_path(os.getpid())
+    assert made is not None and made.path == ledger_path(made.id) and 0 < made.id < 2**31
     yield made
     made.close()
     assert not made.path.exists()
@@ -29,7 +28,7 @@ def test_pieces_answered_by_another_process_s_counter_make_room(ledger):
     counter = PieceCounter()  # postprocessing's side (another process there: the same file)
     ledger.count_sent(5)
     assert ledger.in_flight == 5
-    counter.count_done(os.getpid(), 3)
+    counter.count_done(ledger.id, 3)
     assert ledger.in_flight == 2
     start = time.monotonic()
     ledger.wait_for_room()  # 2 <= window: no wait
@@ -39,7 +38,7 @@ def test_pieces_answered_by_another_process_s_counter_make_room(ledger):
 def test_the_sender_waits_until_postprocessing_catches_up(ledger):
     counter = PieceCounter()
     ledger.count_sent(6)
-    threading.Timer(0.05, counter.count_done, args=(os.getpid(), 4)).start()
+    threading.Timer(0.05, counter.count_done, args=(ledger.id, 4)).start()
     start = time.monotonic()
     ledger.wait_for_room()
     waited = time.monotonic() - start
@@ -57,6 +56,19 @@ def test_pieces_never_answered_are_written_off_after_one_bounded_wait(ledger):
     start = time.monotonic()
     ledger.wait_for_room()
     assert time.monotonic() - start < 0.05
+
+
+def test_two_ledgers_never_share_a_file():
+    """Random ids, each file created new (containers with their own process ids may share
+    /dev/shm): the second engine's counts are its own."""
+    first, second = PieceLedger.create(), PieceLedger.create()
+    try:
+        assert first.id != second.id and first.path != second.path
+        first.count_sent(3)
+        assert second.in_flight == 0 and first.in_flight == 3
+    finally:
+        first.close()
+        second.close()
 
 
 def test_a_counter_ignores_engines_without_a_ledger():

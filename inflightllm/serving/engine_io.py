@@ -7,7 +7,6 @@ functions, so the same code serves CPU and GPU hosts whatever their NumPy.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -155,13 +154,15 @@ def _float32_scalar(value: float) -> torch.Tensor:
     return torch.from_numpy(np.array(value, dtype=np.float32).reshape(1, 1))
 
 
-def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0) -> dict[str, torch.Tensor]:
+def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0,
+                   ledger_id: int = 0) -> dict[str, torch.Tensor]:
     """The engine model's response tensors for one output (leading batch dim 1): the
     documented eleven, or `request_handle` and the two packed ones when the request asked
     for those (`request.packed_outputs`, the ensemble's case).
 
     `handle` identifies the request to the engine (postprocessing sends it back in a
-    `cancel_request` control request when the client cancels)."""
+    `cancel_request` control request when the client cancels); `ledger_id` names, in a
+    packed response, where postprocessing counts it answered (inflightllm/piece_ledger.py)."""
     token_ids = output.new_token_ids
     context = output.context_ids
     if request.echo_prompt and output.finished:
@@ -181,7 +182,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
             output_ids=token_ids, context_ids=context, cum_log_probs=output.cum_logprob,
             output_log_probs=output.new_logprobs, top_logprob_ids=output.new_top_ids,
             top_logprobs=output.new_top_logprobs, top_k=top_k, num_top_rows=num_new,
-            sender=os.getpid(),  # postprocessing counts the pieces it answered per engine process
+            sender=ledger_id,
         )
         return {
             "request_handle": cached_handle[1],

@@ -314,6 +314,7 @@ class ResponseSender:
         # Backpressure from postprocessing (inflightllm/piece_ledger.py): before each round the
         # sender waits, bounded, while too many of its packed pieces are still unanswered.
         self.ledger = ledger
+        self.ledger_id = ledger.id if ledger is not None else 0
         self._queue: deque = deque()  # ("outputs", [(output, request, sink)]) | ("error", sink, message)
         self._failed: deque[str] = deque()
         self._condition = threading.Condition()
@@ -398,7 +399,8 @@ class ResponseSender:
             output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
             self.outputs_coalesced += len(outputs) - 1
             try:
-                sink.send(output_tensors(output, request, EngineLoop.handle(output.request_id)), final=output.finished)
+                tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id)
+                sink.send(tensors, final=output.finished)
                 self.responses_sent += 1
                 if request.packed_outputs and self.ledger is not None:
                     self.ledger.count_sent()
