@@ -92,6 +92,16 @@ def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
     return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
 
 
+def finish_code(inputs: Mapping[str, np.ndarray | None]) -> int | None:
+    """The packed response's `finish_reason` code (0: not the request's last), or None
+    when it is not a well-formed packed response."""
+    ints = inputs.get(PACKED_I32)
+    if ints is None:
+        return None
+    ints = np.asarray(ints).reshape(-1)
+    return int(ints[0]) if len(ints) >= HEADER_LEN else None
+
+
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """The documented "engine -> postprocessing" tensors from a packed response (the
     `request_handle` passes through). Raises ValueError naming what is inconsistent."""
