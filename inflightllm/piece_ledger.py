@@ -18,7 +18,8 @@ round, while more than `window` pieces are in between: its outputs queue meanwhi
 out coalesced. An idle server never waits. The wait is bounded (`max_wait_s`), and a
 ledger whose `done` stops moving is re-based, so pieces that never reach postprocessing
 (a client that went away) cannot stall the engine. Where /dev/shm is missing, or the file
-cannot be made, there is no ledger and no backpressure.
+cannot be made, there is no ledger and no backpressure. The engine model removes its file
+when it is unloaded; an engine process killed outright leaves its 16 bytes behind.
 """
 
 from __future__ import annotations
