@@ -83,23 +83,24 @@ def pack(
     return np.array(ints, np.int32).reshape(1, -1), np.array(floats, np.float32).reshape(1, -1)
 
 
-def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
-    """The piece ledger id of the engine that sent this packed response (0: none)."""
+def _header_value(inputs: Mapping[str, np.ndarray | None], name: str) -> int | None:
+    """One header value of a packed response, or None when it is not a well-formed one."""
     ints = inputs.get(PACKED_I32)
     if ints is None:
-        return 0
+        return None
     ints = np.asarray(ints).reshape(-1)
-    return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
+    return int(ints[HEADER.index(name)]) if len(ints) >= HEADER_LEN else None
+
+
+def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
+    """The piece ledger id of the engine that sent this packed response (0: none)."""
+    return _header_value(inputs, "sender") or 0
 
 
 def finish_code(inputs: Mapping[str, np.ndarray | None]) -> int | None:
     """The packed response's `finish_reason` code (0: not the request's last), or None
     when it is not a well-formed packed response."""
-    ints = inputs.get(PACKED_I32)
-    if ints is None:
-        return None
-    ints = np.asarray(ints).reshape(-1)
-    return int(ints[0]) if len(ints) >= HEADER_LEN else None
+    return _header_value(inputs, "finish_reason")
 
 
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:

@@ -49,10 +49,8 @@ class PieceLedger:
         with open(path, "xb") as file:  # a new file: never another engine's ledger
             file.write(bytes(16))
         self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]
-        self._counters[:] = 0
         self._base = 0  # pieces written off as lost (see wait_for_room)
         self.waits = 0
-        self.seconds_waited = 0.0
 
     @classmethod
     def create(cls, window: int = 64, max_wait_s: float = 0.05) -> PieceLedger | None:
@@ -65,10 +63,6 @@ class PieceLedger:
             except OSError:
                 return None
         return None
-
-    @property
-    def sent(self) -> int:
-        return int(self._counters[0])
 
     @property
     def in_flight(self) -> int:
@@ -92,7 +86,6 @@ class PieceLedger:
                     self._base = int(self._counters[0])
                 break
             time.sleep(sleep_s)
-        self.seconds_waited += time.monotonic() - start
 
     def close(self) -> None:
         try:

@@ -81,6 +81,12 @@ def _response(inputs: Mapping[str, np.ndarray | None], piece: _Piece, text: str)
     return response
 
 
+def _unpacked(inputs: Mapping[str, np.ndarray | None]) -> Mapping[str, np.ndarray | None]:
+    """The documented tensors of a packed engine response (the ensemble's case: three
+    tensors, not eleven); `inputs` itself when they are already the documented ones."""
+    return unpack(inputs) if inputs.get(PACKED_I32) is not None else inputs
+
+
 def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> dict[str, np.ndarray]:
     """The "Ensemble outputs" tensors for one engine response.
 
@@ -90,8 +96,7 @@ def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> d
     so an incomplete character at its end is kept (as U+FFFD); earlier pieces hold it
     back until the tokens that complete it arrive.
     """
-    if inputs.get(PACKED_I32) is not None:
-        inputs = unpack(inputs)
+    inputs = _unpacked(inputs)
     piece = _read_piece(inputs)
     text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
     return _response(inputs, piece, text)
@@ -114,8 +119,7 @@ def build_text_responses(
             unpacked.append(inputs)
             continue
         try:
-            if inputs.get(PACKED_I32) is not None:  # the ensemble's case: three tensors, not eleven
-                inputs = unpack(inputs)
+            inputs = _unpacked(inputs)
             pieces.append(_read_piece(inputs))
         except Exception as error:
             pieces.append(error)

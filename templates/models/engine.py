@@ -22,8 +22,8 @@ from inflightllm.engine import Engine
 from inflightllm.metrics import EngineMetrics
 from inflightllm.model_source import ModelSpec
 from inflightllm.packed_outputs import PACKED_I32
-from inflightllm.piece_ledger import PieceLedger
 from inflightllm.parallel.placement import PlacementMetrics, instance_config, where_it_runs
+from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
 from inflightllm.serving.engine_loop import EngineLoop
