@@ -97,12 +97,6 @@ def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
     return _header_value(inputs, "sender") or 0
 
 
-def finish_code(inputs: Mapping[str, np.ndarray | None]) -> int | None:
-    """The packed response's `finish_reason` code (0: not the request's last), or None
-    when it is not a well-formed packed response."""
-    return _header_value(inputs, "finish_reason")
-
-
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """The documented "engine -> postprocessing" tensors from a packed response (the
     `request_handle` passes through). Raises ValueError naming what is inconsistent."""

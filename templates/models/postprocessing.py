@@ -9,26 +9,22 @@ It also relays cancellations: when a client cancels an ensemble request, Triton 
 marks the *next* step's requests cancelled, i.e. the pieces arriving here; the engine
 never sees it. A cancelled piece makes this model send the engine a control request
 (`cancel_request` = the piece's `request_handle`), and the engine aborts that request
-within one step and frees its KV blocks. Each request's pieces are asked at most every
-100 ms (an IPC round trip each, and this instance answers every piece in turn).
+within one step and frees its KV blocks.
 """
 
 import json
-import time
 from collections import OrderedDict
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer
-from inflightllm.packed_outputs import PACKED_I32, finish_code, sender
+from inflightllm.packed_outputs import PACKED_I32, sender
 from inflightllm.piece_ledger import PieceCounter
 from inflightllm.text.postprocess import build_text_responses
 
 
 class TritonPythonModel:
-    CANCEL_CHECK_INTERVAL_S = 0.1
-
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
@@ -37,7 +33,6 @@ class TritonPythonModel:
         self.engine_model = params.get("engine_model", "engine")
         self.relayed: OrderedDict[int, None] = OrderedDict()  # handles already relayed (bounded)
         self.pieces = PieceCounter()
-        self.checked: dict[int, float] = {}  # request handle -> when is_cancelled() was last asked
 
     def relay_cancellation(self, request):
         handle = int(pb_utils.get_input_tensor_by_name(request, "request_handle").as_numpy().reshape(-1)[0])
@@ -55,31 +50,14 @@ class TritonPythonModel:
             if response.has_error():
                 pb_utils.Logger.log_error(f"postprocessing: relaying cancellation failed: {response.error().message()}")
 
-    def cancel_check_due(self, inputs) -> bool:
-        """Whether to ask this piece's request `is_cancelled()`. That is an IPC round trip,
-        and this one instance answers every piece of every stream in turn: a request is
-        asked at most every CANCEL_CHECK_INTERVAL_S (as the engine polls its own requests),
-        and not on its last piece (there is nothing left to cancel)."""
-        if not isinstance(inputs, dict) or inputs.get("request_handle") is None:
-            return True
-        handle = int(inputs["request_handle"].reshape(-1)[0])
-        code = finish_code(inputs)
-        if code:  # the request's last piece
-            self.checked.pop(handle, None)
-            return False
-        now = time.monotonic()
-        last = self.checked.get(handle)
-        if last is not None and now - last < self.CANCEL_CHECK_INTERVAL_S:
-            return False
-        self.checked.pop(handle, None)
-        self.checked[handle] = now  # most recently checked last
-        if len(self.checked) > 65536:  # requests whose last piece never came (bounded)
-            self.checked.pop(next(iter(self.checked)))
-        return True
-
     def execute(self, requests):
         batch = []
         for request in requests:
+            if request.is_cancelled():
+                # Tell the engine, then answer normally: nobody reads this response, and an
+                # error response here makes Triton 2.51 count the ensemble request as in
+                # flight forever (server shutdown then waits its whole exit timeout).
+                self.relay_cancellation(request)
             try:
                 inputs = {}
                 for name in self.input_names:
@@ -88,11 +66,6 @@ class TritonPythonModel:
                 batch.append(inputs)
             except Exception as error:  # fails this request only
                 batch.append(error)
-            if self.cancel_check_due(batch[-1]) and request.is_cancelled():
-                # Tell the engine, then answer normally: nobody reads this response, and an
-                # error response here makes Triton 2.51 count the ensemble request as in
-                # flight forever (server shutdown then waits its whole exit timeout).
-                self.relay_cancellation(request)
         # Count the answered pieces in their engine's ledger (backpressure: inflightllm/piece_ledger.py).
         for inputs in batch:
             if isinstance(inputs, dict) and inputs.get(PACKED_I32) is not None:
