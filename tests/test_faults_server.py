@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 12
+LONG_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def fault_server(tmp_path_factory, triton_server_factory):
     data["name"] = "faults"
     data["engine"]["max_batch_size"] = 2
     data["engine"]["queue_policy"]["max_queue_size"] = 3
+    data["engine"]["max_output_len"] = LONG_TOKENS  # long_request's length (the KV cache holds 23k tokens)
     profile_path = folder / "faults.yaml"
     profile_path.write_text(yaml.safe_dump(data))
     repository = folder / "repo"
@@ -123,11 +125,12 @@ class Background:
 
 
 def long_request(priority: int = 0) -> dict:
-    # As long as the profile allows (max_output_len 1,024): the queue-full check below needs the
-    # running requests still running; with 400 tokens a fast step loop could finish one first,
-    # admit a waiting request and leave the queue no longer full. They are cancelled at the end.
-    return {"messages": chat("Write a very long story about a dragon."), "max_tokens": 1024, "min_tokens": 1024,
-            "stream": True, "priority": priority}
+    # As long as the fixture's profile allows (LONG_TOKENS): the queue-full check below needs the
+    # running requests still running. With 400 tokens, and later with 1,024 once the response
+    # path got cheaper, a fast step loop finished one first, admitted a waiting request and
+    # left the queue no longer full. They are cancelled at the end.
+    return {"messages": chat("Write a very long story about a dragon."), "max_tokens": LONG_TOKENS,
+            "min_tokens": LONG_TOKENS, "stream": True, "priority": priority}
 
 
 def test_full_queue_refuses_at_once_timeouts_fail_waiting_requests_and_priority_goes_first(
