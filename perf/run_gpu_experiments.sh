@@ -44,6 +44,10 @@ else
   LIMITS=(150 95 80 100 85)
 fi
 
+# INFLIGHT_ARGS="--num-requests 768 ..." and INFLIGHT_LIMIT=240 replace the in-flight step's sizes and limit.
+if [ -n "${INFLIGHT_ARGS:-}" ]; then read -ra INFLIGHT <<< "$INFLIGHT_ARGS"; fi
+LIMITS[0]="${INFLIGHT_LIMIT:-${LIMITS[0]}}"
+
 note "run_gpu_experiments: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $PROFILE"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 install_bundle
