@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -355,6 +356,32 @@ def main() -> None:
         for batch in (1, 2, 4, 8):
             print(f"decode step batch {batch}: fused small-batch kernels {table['fused'][batch]:.3f} ms, "
                   f"unfused {table['unfused'][batch]:.3f} ms between tokens", flush=True)
+    if "pdl" in sections:
+        # Side by side: programmatic dependent launch off and on (inflightllm/gpu/pdl.py), graphs
+        # re-captured for each, twice in alternation (off, on, off, on) to show the noise.
+        from inflightllm.gpu import pdl
+
+        runner = engine.runner
+        initial = os.environ.get(pdl.ENV)
+        table: dict = {"off": {}, "on": {}}
+        for _ in range(2):
+            for label, setting in (("off", "0"), ("on", "1")):
+                os.environ[pdl.ENV] = setting
+                pdl.enabled.cache_clear()
+                runner._capture_graphs()
+                for batch in batches:
+                    ms = round(decode_step_ms(engine, batch)["pipelined"], 3)
+                    table[label].setdefault(batch, []).append(ms)
+        if initial is None:
+            os.environ.pop(pdl.ENV, None)
+        else:
+            os.environ[pdl.ENV] = initial
+        pdl.enabled.cache_clear()
+        runner._capture_graphs()
+        report["pdl"] = table
+        for batch in batches:
+            print(f"decode step batch {batch}: programmatic dependent launch off {table['off'][batch]} ms, "
+                  f"on {table['on'][batch]} ms between tokens", flush=True)
     if "profile" in sections:
         report["profile"] = {}
         for batch in (1, 256):

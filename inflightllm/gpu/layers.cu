@@ -155,6 +155,22 @@ __global__ void silu_and_mul_vec(T* __restrict__ out, const T* __restrict__ gate
 // path rounds them; the dot products' summation order differs from cuBLAS, so results are not
 // bitwise those of the unfused path (within bf16 rounding).
 
+// Programmatic dependent launch (inflightllm/gpu/pdl.py): pdl_trigger lets the next kernel's
+// grid be scheduled once all of this grid's blocks run; pdl_wait returns when the previous
+// kernel has completed and its writes are visible. Every kernel that calls pdl_trigger calls
+// pdl_wait before its first read of an earlier kernel's output and before it can exit. Both
+// are no-ops without the launch attribute and below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void unpack(const uint4& v, float* f, __nv_bfloat16) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -310,6 +326,8 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     const T* rows[2] = {W + row1 * K, W + row2 * K};
     uint4 w[4][2];
     if (unit < units && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    pdl_trigger();
+    pdl_wait();  // the weights above are constant; the residual and delta come from earlier kernels
     norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
     if (unit >= units) return;
     float acc[2][M];
@@ -364,6 +382,8 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     const T* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
     uint4 w[4][2];
     if (j < inter && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    pdl_trigger();
+    pdl_wait();
     norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
     if (j >= inter) return;
     float acc[2][M];
@@ -390,11 +410,13 @@ template <typename T, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
         T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K) {
     const int n = 2 * (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
-    if (n >= N) return;
+    pdl_trigger();
+    if (n >= N) { pdl_wait(); return; }
     const bool pair = n + 1 < N;
     const T* rows[2] = {W + (long)n * K, W + (long)(pair ? n + 1 : n) * K};
     uint4 w[4][2];
     if (whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    pdl_wait();  // x comes from the kernel before
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }

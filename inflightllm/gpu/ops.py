@@ -185,6 +185,19 @@ def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, share
     return function
 
 
+def _launch_small(function, grid, block, args, device: int, shared: int = 0) -> None:
+    """A small-batch kernel launch: with programmatic dependent launch where the GPU has it
+    (inflightllm/gpu/pdl.py; the kernels call pdl_trigger and pdl_wait), else CuPy's."""
+    from inflightllm.gpu import pdl
+
+    if pdl.enabled(device):
+        import cupy
+
+        pdl.launch(function, grid, block, args, shared, cupy.cuda.get_current_stream().ptr)
+    else:
+        function(grid, block, args, shared_mem=shared)
+
+
 def small_batch_ok(tokens: int, hidden: int, dtype: torch.dtype) -> bool:
     """Whether the small-batch kernels take `tokens` rows of width `hidden` (their norm
     prologue keeps the rows in shared memory; rows go in 16-byte chunks)."""
@@ -222,13 +235,15 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
         raise ValueError("small-batch kernel: positions must be int64")
     units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
     shared = _norm_shared_bytes(residual_in)
-    _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, residual_in.device.index, shared)(
+    device = residual_in.device.index
+    _launch_small(
+        _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, device, shared),
         (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
          _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
          _ptr_or_null(value_cache), np.int32(num_heads), np.int32(num_kv_heads),
          np.int32(head_dim), np.int32(tokens), np.int32(hidden), np.float32(eps)),
-        shared_mem=shared,
+        device, shared,
     )
 
 
@@ -239,11 +254,13 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
     inter = act.shape[1]
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
     shared = _norm_shared_bytes(residual_in)
-    _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, residual_in.device.index, shared)(
+    device = residual_in.device.index
+    _launch_small(
+        _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared),
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
          _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
-        shared_mem=shared,
+        device, shared,
     )
 
 
@@ -252,8 +269,11 @@ def small_gemv(out, x, weight, bias) -> torch.Tensor:
     tokens, width = x.shape
     rows = weight.shape[0]
     _check_rows(out=out, x=x, weight=weight)
-    _small_kernel("small_gemv", x.dtype, tokens, x.device.index)(
+    device = x.device.index
+    _launch_small(
+        _small_kernel("small_gemv", x.dtype, tokens, device),
         (-(-rows // (2 * _WARPS_PER_BLOCK)),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(out), _ptr(x), _ptr(weight), _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width)),
+        device,
     )
     return out

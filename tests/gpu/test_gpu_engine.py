@@ -437,3 +437,31 @@ def test_the_gpu_sampler_does_not_wait_for_the_gpu():
         results[where] = result.token_ids.cpu().tolist()
     assert results["cuda"] == results["cpu"]
     assert results["cuda"][0] not in (2, 9) and results["cuda"][2] not in (5, 7)
+
+
+def test_pdl_launches_give_the_same_tokens(monkeypatch):
+    """Programmatic dependent launch (inflightllm/gpu/pdl.py) changes when kernels start, not
+    what they compute: bf16 greedy ids with it equal those without, over staggered arrivals
+    (eager mixed steps, decode graphs of several buckets) and a long tail at batch 1 (the fused
+    small-batch kernels in the bucket-1 graph)."""
+    from inflightllm.gpu import pdl
+
+    if torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
+    prompts = make_prompts(12, 49152, seed=21)
+    max_tokens = [8, 16, 12, 10, 14, 9, 16, 11, 13, 15, 12, 64]
+    arrivals = [0, 0, 0, 1, 1, 2, 3, 3, 4, 6, 8, 9]
+    results, loaded = {}, None
+    try:
+        for setting in ("0", "1"):
+            monkeypatch.setenv(pdl.ENV, setting)
+            pdl.enabled.cache_clear()
+            engine = Engine(model_spec("bfloat16"), gpu_config(), sampler_seed=0, loaded=loaded)
+            loaded = engine.loaded
+            assert engine.loaded.model.small_batch_kernels
+            assert pdl.enabled(0) == (setting == "1")
+            results[setting] = [r.token_ids for r in run(engine, prompts, max_tokens, arrivals)]
+    finally:
+        pdl.enabled.cache_clear()
+    assert [len(ids) for ids in results["1"]] == max_tokens
+    assert results["1"] == results["0"]

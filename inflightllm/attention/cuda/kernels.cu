@@ -22,6 +22,21 @@ typedef unsigned int u32;
 
 #define FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (inflightllm/gpu/pdl.py): the decode kernels are launched with
+// it, so that their grid is scheduled while the kernel before still drains. They let the next
+// kernel be scheduled at once (pdl_trigger) and wait for the one before (pdl_wait) before
+// anything else. No-ops without the launch attribute and below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
 
 // ---------------------------------------------------------------------------------------------
@@ -180,6 +195,8 @@ paged_decode(const T* __restrict__ q, i64 q_stok, i64 q_shead,
              float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
              int num_heads, int num_kv_heads, int group, int groups_per_kv,
              int bs_shift, int window, float scale_log2) {
+    pdl_trigger();
+    pdl_wait();
     constexpr int VEC = 16 / sizeof(T);
     constexpr int TPK = D / VEC;            // threads per key row
     constexpr int KPI = DEC_THREADS / TPK;  // key rows per block iteration
@@ -389,6 +406,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
 decode_reduce_v1(const float* __restrict__ part_out, const float* __restrict__ part_m,
                  const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z) {
+    pdl_trigger();
+    pdl_wait();
     const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
     const i64 hrow = (i64)seq * num_heads + head;
     const float* pm = part_m + hrow * Z;
@@ -414,6 +433,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
 decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part_m,
               const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z) {
+    pdl_trigger();
+    pdl_wait();
     constexpr int NW = D / 32;
     __shared__ float s_w[RED_MAXZ];
     __shared__ float s_r[NW];
@@ -471,6 +492,8 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
                 float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
                 int num_heads, int num_kv_heads, int group, int groups_per_kv,
                 int bs_shift, int window, float scale_log2) {
+    pdl_trigger();
+    pdl_wait();
     constexpr int VEC = 16 / sizeof(T);
     constexpr int TPK = D / VEC;
     constexpr int KPI = DEC_THREADS / TPK;

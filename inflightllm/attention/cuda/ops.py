@@ -121,9 +121,17 @@ def _external_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _launch(fn, grid, block, args, stream: _StreamRef) -> None:
+def _launch(fn, grid, block, args, stream: _StreamRef, device: int | None = None) -> None:
+    """Launch on `stream`; with `device` (the decode kernels, which call pdl_trigger and
+    pdl_wait), by programmatic dependent launch where that GPU has it (inflightllm/gpu/pdl.py)."""
     grid = tuple(int(x) for x in grid)
     assert min(grid) > 0, grid  # CuPy would round a zero grid up to one block
+    if device is not None:
+        from inflightllm.gpu import pdl
+
+        if pdl.enabled(device):
+            pdl.launch(fn, grid, (int(block),), args, 0, stream.ptr)
+            return
     if _STREAM_KWARG[0]:
         try:
             fn(grid, (int(block),), args, stream=stream)
@@ -258,11 +266,12 @@ def paged_decode(
         _i32(window or 0),
         np.float32(scale * np.log2(np.e)),
     )
-    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream)
+    device = query.device.index
+    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
-        _launch(red, (num_heads, num_decodes), head_dim, args, stream)
+        _launch(red, (num_heads, num_decodes), head_dim, args, stream, device)
 
 
 def prefill(
