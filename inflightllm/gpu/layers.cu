@@ -19,6 +19,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 // Round a float to T and back (the value torch would hold in a T tensor).
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f<T>(from_f<T>(v)); }
 
+// Programmatic dependent launch (inflightllm/gpu/pdl.py): pdl_trigger lets the next kernel's
+// grid be scheduled once all of this grid's blocks run; pdl_wait returns when the previous
+// kernel has completed and its writes are visible. Every kernel that calls pdl_trigger calls
+// pdl_wait before its first read of an earlier kernel's output and before it can exit. Both
+// are no-ops without the launch attribute and below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Block-wide sum of one float per thread (blockDim.x a multiple of 32, at most 1024).
 __device__ __forceinline__ float block_sum(float value) {
     __shared__ float partial[32];
@@ -59,6 +75,8 @@ template <typename T>
 __global__ void add_rms_norm(T* __restrict__ hidden_io, T* __restrict__ residual_io, const T* __restrict__ weight,
                              float eps, int hidden) {
     extern __shared__ float row_values[];
+    pdl_trigger();
+    pdl_wait();  // launched by PDL (ops.add_rms_norm): hidden and residual come from kernels before
     const long row = blockIdx.x;
     T* x = hidden_io + row * hidden;
     T* r = residual_io + row * hidden;
@@ -154,22 +172,6 @@ __global__ void silu_and_mul_vec(T* __restrict__ out, const T* __restrict__ gate
 // with 16-byte streaming loads. Intermediate values are rounded to T where the unfused torch
 // path rounds them; the dot products' summation order differs from cuBLAS, so results are not
 // bitwise those of the unfused path (within bf16 rounding).
-
-// Programmatic dependent launch (inflightllm/gpu/pdl.py): pdl_trigger lets the next kernel's
-// grid be scheduled once all of this grid's blocks run; pdl_wait returns when the previous
-// kernel has completed and its writes are visible. Every kernel that calls pdl_trigger calls
-// pdl_wait before its first read of an earlier kernel's output and before it can exit. Both
-// are no-ops without the launch attribute and below sm_90.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ void unpack(const uint4& v, float* f, __nv_bfloat16) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);

@@ -93,11 +93,13 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """In place: residual += hidden; hidden = weight * rmsnorm(residual)."""
     tokens, width = hidden.shape
     if tokens:
-        _kernel("add_rms_norm", hidden.dtype, hidden.device.index)(
+        device = hidden.device.index
+        _launch_small(
+            _kernel("add_rms_norm", hidden.dtype, device),
             (tokens,),
             (_threads(min(width, 1024)),),
             (_ptr(hidden), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
-            shared_mem=4 * width,
+            device, 4 * width,
         )
 
 
@@ -186,8 +188,9 @@ def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, share
 
 
 def _launch_small(function, grid, block, args, device: int, shared: int = 0) -> None:
-    """A small-batch kernel launch: with programmatic dependent launch where the GPU has it
-    (inflightllm/gpu/pdl.py; the kernels call pdl_trigger and pdl_wait), else CuPy's."""
+    """A launch of a kernel that calls pdl_trigger and pdl_wait (the small-batch kernels and
+    add_rms_norm): by programmatic dependent launch where the GPU has it
+    (inflightllm/gpu/pdl.py), else CuPy's."""
     from inflightllm.gpu import pdl
 
     if pdl.enabled(device):

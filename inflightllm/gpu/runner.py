@@ -36,6 +36,10 @@ from inflightllm.step import SampledTokens, StepDescription
 logger = logging.getLogger(__name__)
 
 GRAPH_RESERVE_BYTES = 2 << 30  # CUDA-graph pools and workspaces left out of the KV budget
+# Decode graphs up to this bucket also run the LM head (their [bucket, vocab] float32 logits
+# stay allocated: 0.5 MiB a row at a 128k vocab); larger buckets keep only hidden states and
+# run the LM head on the sampling rows after the replay.
+LOGITS_GRAPH_MAX_BUCKET = 16
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -110,7 +114,8 @@ class GpuModelRunner:
             "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, loaded.dtype,
         )
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its hidden states, its logits or None)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.graph_pool = None
         if getattr(config, "cuda_graphs", True):
             self._capture_graphs()
@@ -226,10 +231,14 @@ class GpuModelRunner:
         context = num_computed + query_lens
         max_blocks = int(-(-int(context.max()) // bs))
         staged = self.staging.upload(np.concatenate([input_ids, positions, slots]))
-        self.input_ids[:total].copy_(staged[:total])
+        all_pending = pending is not None and len(pending) == total
+        if all_pending:  # every input id is a token of the previous launch (decode steps, asynchronous)
+            torch.index_select(self.last_sampled, 0, self.staging.upload(token_rows), out=self.input_ids[:total])
+        else:
+            self.input_ids[:total].copy_(staged[:total])
         self.positions[:total].copy_(staged[total : 2 * total])
         self.slot_mapping[:total].copy_(staged[2 * total :])
-        if pending is not None and len(pending):
+        if pending is not None and len(pending) and not all_pending:
             where = self.staging.upload(np.stack([pending, token_rows[pending]]))
             self.input_ids.index_copy_(0, where[0], self.last_sampled.index_select(0, where[1]))
         small = self.staging.upload(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
@@ -286,12 +295,16 @@ class GpuModelRunner:
                 )
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
+            # Small buckets run the LM head in the graph too (at batch 1 its eager launch and
+            # the row selection before it were a few percent of the step). Larger ones keep
+            # just their hidden states ([bucket, hidden_size]) alive, not [bucket, vocab]
+            # logits, and the LM head runs after the replay on the rows that sample.
+            with_logits = batch <= LOGITS_GRAPH_MAX_BUCKET and self.model.tp is None
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 with ops.torch_stream():
                     hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
-            # The LM head runs after the replay, on the rows that sample only: graphs keep
-            # just their hidden states ([bucket, hidden_size]) alive, not [bucket, vocab] logits.
-            self.graphs[batch] = (graph, hidden)
+                    logits = self.model.compute_logits(hidden) if with_logits else None
+            self.graphs[batch] = (graph, hidden, logits)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (%s) in %.1f s", len(buckets), buckets, time.monotonic() - start)
 
@@ -352,10 +365,13 @@ class GpuModelRunner:
                 self.context_lens[batch:bucket].fill_(1)
                 self.block_tables[batch:bucket, 0].zero_()
                 self.query_start_loc[batch + 1 : bucket + 1].copy_(self._row_offsets[batch + 1 : bucket + 1])
-            graph, graph_hidden = self.graphs[bucket]
+            graph, graph_hidden, graph_logits = self.graphs[bucket]
             graph.replay()
-            selected = self.staging.upload(np.flatnonzero(samples))
-            logits = self.model.compute_logits(graph_hidden.index_select(0, selected))
+            if graph_logits is not None and samples.all():
+                logits = graph_logits[:batch]
+            else:
+                selected = self.staging.upload(np.flatnonzero(samples))
+                logits = self.model.compute_logits(graph_hidden.index_select(0, selected))
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             total = int(query_lens.sum())
