@@ -263,13 +263,40 @@ __device__ __forceinline__ void warp_dot(const T* const* rows, const T* x, int c
                 acc[r][m] += __shfl_xor_sync(0xffffffff, acc[r][m], offset);
 }
 
+// The first NPRE 16-byte chunks of the norm weight this thread normalizes with (chunk
+// threadIdx.x + k * blockDim.x), loaded before pdl_wait: the weight is constant, so its load
+// need not wait for the kernel before, and norm_prologue's second pass does not wait for it.
+constexpr int NPRE = 2;  // hidden 4096 at 256 threads: all of them
+template <typename T>
+__device__ __forceinline__ void prefetch_norm_weight(uint4 (&wpre)[NPRE], const T* __restrict__ weight, int K) {
+    const int chunks = K / (16 / (int)sizeof(T));
+#pragma unroll
+    for (int k = 0; k < NPRE; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        wpre[k] = c < chunks ? reinterpret_cast<const uint4*>(weight)[c] : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void normalize_chunk(uint4* xv, int c, const uint4& wv, float inv) {
+    constexpr int VEC = 16 / sizeof(T);
+    uint4 v = xv[c];
+    T* vs = reinterpret_cast<T*>(&v);
+    const T* ws = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+        vs[i] = from_f<T>(__fmul_rn(to_f<T>(ws[i]), round_t<T>(__fmul_rn(to_f<T>(vs[i]), inv))));
+    xv[c] = v;
+}
+
 // Prologue of the fused norm GEMVs: xs[m] = weight * rmsnorm(r[m]) for the block's M tokens,
 // with r = T(residual + delta) (delta may be null: r = residual). Block 0 writes r to
 // residual_out (a different buffer from residual_in: other blocks still read the input).
+// wpre: the thread's first norm weight chunks (prefetch_norm_weight).
 template <typename T, int M>
 __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ residual_in, const T* __restrict__ delta,
                                               T* __restrict__ residual_out, const T* __restrict__ weight,
-                                              float eps, int count, int K) {
+                                              const uint4 (&wpre)[NPRE], float eps, int count, int K) {
     constexpr int VEC = 16 / sizeof(T);
     const int chunks = K / VEC;
     for (int m = 0; m < count; ++m) {
@@ -293,16 +320,13 @@ __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ resid
             for (int i = 0; i < VEC; ++i) { const float v = to_f<T>(rs[i]); sum += v * v; }
         }
         const float inv = rsqrtf(block_sum(sum) / K + eps);
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            uint4 v = xv[c];
-            const uint4 wv = reinterpret_cast<const uint4*>(weight)[c];
-            T* vs = reinterpret_cast<T*>(&v);
-            const T* ws = reinterpret_cast<const T*>(&wv);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i)
-                vs[i] = from_f<T>(__fmul_rn(to_f<T>(ws[i]), round_t<T>(__fmul_rn(to_f<T>(vs[i]), inv))));
-            xv[c] = v;
+        for (int k = 0; k < NPRE; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (c < chunks) normalize_chunk<T>(xv, c, wpre[k], inv);
         }
+        for (int c = threadIdx.x + NPRE * blockDim.x; c < chunks; c += blockDim.x)
+            normalize_chunk<T>(xv, c, reinterpret_cast<const uint4*>(weight)[c], inv);
     }
     __syncthreads();
 }
@@ -328,9 +352,29 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     const T* rows[2] = {W + row1 * K, W + row2 * K};
     uint4 w[4][2];
     if (unit < units && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    uint4 wpre[NPRE];
+    prefetch_norm_weight<T>(wpre, norm_weight, K);
+    // The epilogue's inputs that no kernel of the step writes (the positions and slots were
+    // uploaded before the step's first kernel): loaded before the wait, off the kernel's tail.
+    const bool rotate = head < num_heads + num_kv_heads;
+    float cos_m[M], sin_m[M];
+    long slot_m[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        cos_m[m] = 1.0f;
+        sin_m[m] = 0.0f;
+        slot_m[m] = -1;
+        if (m >= count || unit >= units || (threadIdx.x & 31) != 0) continue;
+        if (rotate) {
+            const T* cache = cos_sin + positions[m] * head_dim;
+            cos_m[m] = to_f<T>(cache[i]);
+            sin_m[m] = to_f<T>(cache[half + i]);
+        }
+        if (slot_mapping != nullptr && head >= num_heads) slot_m[m] = slot_mapping[m];
+    }
     pdl_trigger();
-    pdl_wait();  // the weights above are constant; the residual and delta come from earlier kernels
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
+    pdl_wait();  // everything above is constant for the step; the residual and delta come from earlier kernels
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
     if (unit >= units) return;
     float acc[2][M];
 #pragma unroll
@@ -338,7 +382,6 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     warp_dot<T, M, 2, 4>(rows, xs, count, K, acc, w);
     if ((threadIdx.x & 31) != 0) return;
     const long width = (long)(num_heads + 2 * num_kv_heads) * head_dim;
-    const bool rotate = head < num_heads + num_kv_heads;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         if (m >= count) break;
@@ -347,8 +390,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
         x1 = round_t<T>(x1);
         x2 = round_t<T>(x2);
         if (rotate) {
-            const T* cache = cos_sin + positions[m] * head_dim;
-            const float c = to_f<T>(cache[i]), s = to_f<T>(cache[half + i]);
+            const float c = cos_m[m], s = sin_m[m];
             const float o1 = __fadd_rn(round_t<T>(__fmul_rn(x1, c)), round_t<T>(__fmul_rn(-x2, s)));
             const float o2 = __fadd_rn(round_t<T>(__fmul_rn(x2, c)), round_t<T>(__fmul_rn(x1, s)));
             x1 = o1;
@@ -359,7 +401,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
         // k and v rows also go to the paged cache ([blocks, block_size, kv_heads, head_dim]) at
         // the token's slot (negative: padding, skipped), as reshape_and_cache would.
         if (slot_mapping != nullptr && head >= num_heads) {
-            const long slot = slot_mapping[m];
+            const long slot = slot_m[m];
             if (slot >= 0) {
                 const int kv = head - num_heads;  // 0..2 kv_heads - 1: k heads, then v heads
                 T* cache = kv < num_kv_heads ? key_cache : value_cache;
@@ -384,9 +426,11 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     const T* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
     uint4 w[4][2];
     if (j < inter && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    uint4 wpre[NPRE];
+    prefetch_norm_weight<T>(wpre, norm_weight, K);
     pdl_trigger();
     pdl_wait();
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, eps, count, K);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
     if (j >= inter) return;
     float acc[2][M];
 #pragma unroll

@@ -19,7 +19,10 @@ Both sides are needed:
 
 Every kernel launched this way waits before its first dependent read and before it exits, so
 "the previous kernel has completed" holds transitively down the stream. A kernel launched
-without the attribute after one of ours waits for it to complete, as always.
+without the attribute after one of ours waits for it to complete, as always. Before its wait
+a kernel reads only what none of these kernels writes: weights, norm weights, the RoPE
+table, and the step's positions and slots (uploaded before the step's first kernel, which
+is not one of ours and so lets the next start only when it has completed).
 
 `INFLIGHTLLM_PDL=0` turns it off (plain CuPy launches); by default it is on where the GPU is
 compute capability 9.0 or later and the driver has `cuLaunchKernelEx`.
