@@ -19,21 +19,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 // Round a float to T and back (the value torch would hold in a T tensor).
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f<T>(from_f<T>(v)); }
 
-// Programmatic dependent launch (inflightllm/gpu/pdl.py): pdl_trigger lets the next kernel's
-// grid be scheduled once all of this grid's blocks run; pdl_wait returns when the previous
-// kernel has completed and its writes are visible. Every kernel that calls pdl_trigger calls
-// pdl_wait before its first read of an earlier kernel's output and before it can exit. Both
-// are no-ops without the launch attribute and below sm_90.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// pdl_trigger() and pdl_wait(): gpu/pdl.cuh, prepended to this source when it is compiled.
 
 // Block-wide sum of one float per thread (blockDim.x a multiple of 32, at most 1024).
 __device__ __forceinline__ float block_sum(float value) {

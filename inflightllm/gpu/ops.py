@@ -21,6 +21,13 @@ SOURCE = Path(__file__).with_name("layers.cu")
 
 
 @functools.cache
+def _source() -> str:
+    from inflightllm.gpu.pdl import with_pdl
+
+    return with_pdl(SOURCE.read_text())
+
+
+@functools.cache
 def _module(device: int):
     """The compiled kernels, loaded on GPU `device`: a CuPy module is loaded on the device
     current when it is first used, so each GPU of the process gets its own (two engines on
@@ -29,7 +36,7 @@ def _module(device: int):
 
     names = [f"{kernel}<{ctype}>" for kernel in KERNELS for ctype in CUDA_TYPES.values()]
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
     return module
 
@@ -152,7 +159,7 @@ def _small_module(dtype: torch.dtype, device: int):
     ctype = CUDA_TYPES[dtype]
     names = [f"{kernel}<{ctype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
     return module
 

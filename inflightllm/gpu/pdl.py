@@ -35,10 +35,12 @@ import functools
 import os
 import struct
 import threading
+from pathlib import Path
 
 import numpy as np
 
 ENV = "INFLIGHTLLM_PDL"
+DEVICE_SOURCE = Path(__file__).with_name("pdl.cuh")  # pdl_trigger() and pdl_wait()
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
@@ -106,6 +108,12 @@ def _driver():
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuGetErrorName.restype = ctypes.c_int
     return lib
+
+
+def with_pdl(source: str) -> str:
+    """A kernel source with the device helpers (pdl.cuh) before it: prepended rather than
+    #included, so that CuPy's compile cache, keyed by the source text, sees them change."""
+    return DEVICE_SOURCE.read_text() + "\n" + source
 
 
 @functools.cache

@@ -22,20 +22,8 @@ typedef unsigned int u32;
 
 #define FULL_MASK 0xffffffffu
 
-// Programmatic dependent launch (inflightllm/gpu/pdl.py): the decode kernels are launched with
-// it, so that their grid is scheduled while the kernel before still drains. They let the next
-// kernel be scheduled at once (pdl_trigger) and wait for the one before (pdl_wait) before
-// anything else. No-ops without the launch attribute and below sm_90.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// pdl_trigger() and pdl_wait(): inflightllm/gpu/pdl.cuh, prepended to this source when it is
+// compiled; the decode kernels call both first (they are launched by PDL, gpu/pdl.py).
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
 

@@ -37,7 +37,9 @@ _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 
 @functools.cache
 def _source() -> str:
-    return KERNEL_SOURCE.read_text()
+    from inflightllm.gpu.pdl import with_pdl
+
+    return with_pdl(KERNEL_SOURCE.read_text())
 
 
 def _raw_module(names: tuple[str, ...]):
