@@ -117,9 +117,9 @@ def run_stream_requests(url: str, requests: list[dict], num_streams: int = 1, ti
             if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"not every request finished within {timeout} s")
     finally:
-        # Every request has its final response or error (or the wait timed out): cancel the
-        # streams rather than wait for the server to close them. After a refused request
-        # (queue full) the server once left its stream open, and a plain stop_stream() hung.
+        # Every request has its final response or error, or the wait timed out: cancel the
+        # streams rather than wait for the server to close them (after a timeout, a request
+        # still queued or running would hold its stream open until it ends).
         for client in clients:
             client.stop_stream(cancel_requests=True)
             client.close()

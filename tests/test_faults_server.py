@@ -155,6 +155,12 @@ def test_full_queue_refuses_at_once_timeouts_fail_waiting_requests_and_priority_
         assert not any(background.first_piece[i].is_set() for i in waiting)  # they still wait
         assert metric(scrape_metrics(metrics_url), "inflightllm_preemptions_total") >= 1
 
+        # The preempted request runs again once the high-priority one is done. Until then it
+        # waits too, and "3 waiting" would be true before the third long request below is in:
+        # that request and the one meant to be refused then race for the last place.
+        assert wait_for(lambda: (values := scrape_metrics(metrics_url))
+                        and metric(values, "inflightllm_requests", state="running") == 2
+                        and metric(values, "inflightllm_requests", state="waiting") == 2, timeout=60)
         # Three waiting: the queue is full, a new request is refused at once with a clear error.
         waiting.append(background.send(long_request()))
         assert wait_for(lambda: metric(scrape_metrics(metrics_url), "inflightllm_requests", state="waiting") == 3,
