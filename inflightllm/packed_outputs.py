@@ -83,18 +83,14 @@ def pack(
     return np.array(ints, np.int32).reshape(1, -1), np.array(floats, np.float32).reshape(1, -1)
 
 
-def _header_value(inputs: Mapping[str, np.ndarray | None], name: str) -> int | None:
-    """One header value of a packed response, or None when it is not a well-formed one."""
+def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
+    """The piece ledger id of the engine that sent this packed response (0: none, or not a
+    well-formed packed response)."""
     ints = inputs.get(PACKED_I32)
     if ints is None:
-        return None
+        return 0
     ints = np.asarray(ints).reshape(-1)
-    return int(ints[HEADER.index(name)]) if len(ints) >= HEADER_LEN else None
-
-
-def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
-    """The piece ledger id of the engine that sent this packed response (0: none)."""
-    return _header_value(inputs, "sender") or 0
+    return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
 
 
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:

@@ -231,16 +231,15 @@ class GpuModelRunner:
         context = num_computed + query_lens
         max_blocks = int(-(-int(context.max()) // bs))
         staged = self.staging.upload(np.concatenate([input_ids, positions, slots]))
-        all_pending = pending is not None and len(pending) == total
-        if all_pending:  # every input id is a token of the previous launch (decode steps, asynchronous)
+        self.positions[:total].copy_(staged[total : 2 * total])
+        self.slot_mapping[:total].copy_(staged[2 * total :])
+        if pending is not None and len(pending) == total:  # all from the previous launch (asynchronous decodes)
             torch.index_select(self.last_sampled, 0, self.staging.upload(token_rows), out=self.input_ids[:total])
         else:
             self.input_ids[:total].copy_(staged[:total])
-        self.positions[:total].copy_(staged[total : 2 * total])
-        self.slot_mapping[:total].copy_(staged[2 * total :])
-        if pending is not None and len(pending) and not all_pending:
-            where = self.staging.upload(np.stack([pending, token_rows[pending]]))
-            self.input_ids.index_copy_(0, where[0], self.last_sampled.index_select(0, where[1]))
+            if pending is not None and len(pending):
+                where = self.staging.upload(np.stack([pending, token_rows[pending]]))
+                self.input_ids.index_copy_(0, where[0], self.last_sampled.index_select(0, where[1]))
         small = self.staging.upload(np.concatenate([context.astype(np.int32), cu.astype(np.int32)]))
         self.context_lens[:num_seqs].copy_(small[:num_seqs])
         self.query_start_loc[: num_seqs + 1].copy_(small[num_seqs:])

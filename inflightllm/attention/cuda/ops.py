@@ -123,15 +123,15 @@ def _external_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _launch(fn, grid, block, args, stream: _StreamRef, device: int | None = None) -> None:
-    """Launch on `stream`; with `device` (the decode kernels, which call pdl_trigger and
+def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = None) -> None:
+    """Launch on `stream`; with `pdl_device` (the decode kernels, which call pdl_trigger and
     pdl_wait), by programmatic dependent launch where that GPU has it (inflightllm/gpu/pdl.py)."""
     grid = tuple(int(x) for x in grid)
     assert min(grid) > 0, grid  # CuPy would round a zero grid up to one block
-    if device is not None:
+    if pdl_device is not None:
         from inflightllm.gpu import pdl
 
-        if pdl.enabled(device):
+        if pdl.enabled(pdl_device):
             pdl.launch(fn, grid, (int(block),), args, 0, stream.ptr)
             return
     if _STREAM_KWARG[0]:
