@@ -45,6 +45,7 @@ from inflightllm.sampling_params import SamplingParams  # noqa: E402
 from perf.bench_gpu import decode_step_ms, host_ms_per_step, profile_decode, reset_host_times  # noqa: E402
 
 REPORT: dict = {}
+ASYNC_SCHEDULING = True  # --sync-scheduling turns it off (the TP figures in docs/PERFORMANCE.md up to the PDL pass were taken so)
 
 
 def save(out: Path | None) -> None:
@@ -160,8 +161,11 @@ def section_failure(args) -> None:
 
 
 def big_config(tp: int, gpu_ids, **overrides) -> EngineConfig:
+    """The engine of the GPU profiles (asynchronous scheduling on, as a rendered GPU profile
+    has it: `engine.async_scheduling` defaults to true on GPU)."""
     values = dict(device="gpu", gpu_ids=tuple(gpu_ids), tensor_parallel_size=tp, max_batch_size=256,
-                  max_num_tokens=8192, max_input_length=1024, max_output_len=1024, gpu_memory_utilization=0.85)
+                  max_num_tokens=8192, max_input_length=1024, max_output_len=1024, gpu_memory_utilization=0.85,
+                  async_scheduling=ASYNC_SCHEDULING)
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -271,11 +275,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1")
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--sync-scheduling", action="store_true",
+                        help="engines without asynchronous scheduling (step N's tokens read before step N+1 launches)")
     args = parser.parse_args()
+    global ASYNC_SCHEDULING
+    ASYNC_SCHEDULING = not args.sync_scheduling
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sections = set(args.sections.split(","))
     REPORT["machine"] = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                          "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    REPORT["async_scheduling"] = ASYNC_SCHEDULING
     # Each section's failure is recorded and the next one runs. "failure" goes last: it
     # aborts NCCL communicators in this process.
     steps = [

@@ -36,9 +36,10 @@ from inflightllm.step import SampledTokens, StepDescription
 logger = logging.getLogger(__name__)
 
 GRAPH_RESERVE_BYTES = 2 << 30  # CUDA-graph pools and workspaces left out of the KV budget
-# Decode graphs up to this bucket also run the LM head (their [bucket, vocab] float32 logits
-# stay allocated: 0.5 MiB a row at a 128k vocab); larger buckets keep only hidden states and
-# run the LM head on the sampling rows after the replay.
+# Decode graphs up to this bucket also run the LM head, and under tensor parallelism its
+# all-gather (their [bucket, vocab] float32 logits stay allocated: 0.5 MiB a row at a 128k
+# vocab); larger buckets keep only hidden states and run the LM head on the sampling rows
+# after the replay.
 LOGITS_GRAPH_MAX_BUCKET = 16
 
 
@@ -298,7 +299,8 @@ class GpuModelRunner:
             # the row selection before it were a few percent of the step). Larger ones keep
             # just their hidden states ([bucket, hidden_size]) alive, not [bucket, vocab]
             # logits, and the LM head runs after the replay on the rows that sample.
-            with_logits = batch <= LOGITS_GRAPH_MAX_BUCKET and self.model.tp is None
+            # Under tensor parallelism the LM head's all-gather is captured with it.
+            with_logits = batch <= LOGITS_GRAPH_MAX_BUCKET
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 with ops.torch_stream():
                     hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
@@ -306,6 +308,15 @@ class GpuModelRunner:
             self.graphs[batch] = (graph, hidden, logits)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (%s) in %.1f s", len(buckets), buckets, time.monotonic() - start)
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs and their memory pool. A tensor-parallel rank does this before
+        it leaves its NCCL group: a communicator whose collectives live in captured graphs
+        does not finish its teardown while they exist (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graph_pool = None
+        torch.cuda.synchronize(self.device)
 
     def _bucket(self, batch: int) -> int | None:
         candidates = [size for size in self.graphs if size >= batch]

@@ -4,8 +4,9 @@ Rank 0 lives in the engine's process (the Triton Python backend's stub) and keep
 scheduler. It starts ranks 1..N-1 as worker processes (`python -m
 inflightllm.parallel.worker`, a fresh interpreter, never a fork), joins them in a
 process group (NCCL on GPU, gloo on CPU) and a gloo control group, and each step
-broadcasts the step description (new requests once, then deltas) with the tokens it
-sampled last step. Then every rank runs the same step.
+sends the step description (new requests once, then deltas) with the tokens it sampled
+last step, through a shared-memory ring (`message_ring`; the gloo group's broadcast where
+the host cannot use one). Then every rank runs the same step.
 
 Failure: a watchdog thread polls the workers and times the step. A worker that exits
 (crash, kill, exception) or a step longer than `step_timeout_s` marks the runner failed:
@@ -36,6 +37,7 @@ from pathlib import Path
 from inflightllm.config import EngineConfig
 from inflightllm.model_source import ModelSpec
 from inflightllm.models.loader import LoadedModel
+from inflightllm.parallel import message_ring
 from inflightllm.parallel.group import NCCL_SAFE_ENV, Distributed
 from inflightllm.parallel.runner import (
     cpu_num_blocks,
@@ -110,6 +112,7 @@ class TensorParallelRunner:
         self.workers: list[subprocess.Popen] = []
         port = free_port()
         backend = "gloo" if config.device == "cpu" else "nccl"
+        self.ring = self._create_ring()
         self._start_workers(port, backend)
         atexit.register(self.shutdown)
         self._watchdog = threading.Thread(target=self._watch, name="inflightllm-tp-watchdog", daemon=True)
@@ -120,6 +123,8 @@ class TensorParallelRunner:
 
                 torch.cuda.set_device(rank_device(config, 0))
             self.dist = Distributed(0, self.world_size, port, backend, INIT_TIMEOUT_S, device=rank_device(config, 0))
+            if self.ring is not None:  # every worker has mapped it before joining the group
+                self.ring.unlink()
             self.loaded = load_rank_model(spec, config, self.dist, loaded)
             if loaded is not None and loaded.model is None:  # GPU: the engine's model is rank 0's share
                 loaded.model = self.loaded.model
@@ -137,6 +142,27 @@ class TensorParallelRunner:
         )
 
     # ---- workers ---------------------------------------------------------------------
+    def _create_ring(self) -> message_ring.MessageRing | None:
+        if not message_ring.available():
+            logger.info("tensor parallel: step messages over gloo (no shared-memory ring on this host)")
+            return None
+        try:
+            return message_ring.MessageRing.create(readers=self.world_size - 1)
+        except OSError as error:
+            logger.warning("tensor parallel: no shared-memory ring (%s); step messages over gloo", error)
+            return None
+
+    def _send(self, message) -> None:
+        """Send `message` to every worker (a step or the stop message)."""
+        if self.ring is None:
+            self.dist.broadcast_message(message)
+        else:
+            self.ring.write(message, stop=self._ring_stop)
+
+    def _ring_stop(self) -> bool:
+        """While the ring is full: stop waiting once the runner failed or a worker is gone."""
+        return self.failure is not None or any(worker.poll() is not None for worker in self.workers)
+
     def _start_workers(self, port: int, backend: str) -> None:
         env = worker_environment(self.config)
         python = python_executable()
@@ -152,6 +178,8 @@ class TensorParallelRunner:
                 "--spec", json.dumps(asdict(self.spec)),
                 "--config", json.dumps(self.config.to_parameters()),
             ]
+            if self.ring is not None:
+                command += ["--ring", str(self.ring.path)]
             # Same process group as the server (its launcher's killpg reaches them too).
             self.workers.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
 
@@ -221,7 +249,7 @@ class TensorParallelRunner:
         def run():
             times = self.host_seconds
             start = time.perf_counter()
-            self.dist.broadcast_message(("step", step, self._last_sampled))
+            self._send(("step", step, self._last_sampled))
             sent = time.perf_counter()
             launch = getattr(self.runner, "launch", None)
             handle = launch(step) if launch is not None else _Finished(self.runner.execute(step))
@@ -269,7 +297,7 @@ class TensorParallelRunner:
         idle = self._step_started is None
         graceful = dist_ is not None and idle and self.failure is None and all(w.poll() is None for w in self.workers)
         if graceful:
-            if _bounded(self._send_stop, STOP_GRACE_S) and _bounded(dist_.destroy, TEARDOWN_TIMEOUT_S):
+            if _bounded(self._send_stop, STOP_GRACE_S) and _bounded(self._leave_group, TEARDOWN_TIMEOUT_S):
                 deadline = time.monotonic() + STOP_GRACE_S
                 for worker in self.workers:
                     try:
@@ -281,14 +309,26 @@ class TensorParallelRunner:
         self._kill_workers()
         if dist_ is not None and not graceful:
             threading.Thread(target=dist_.abort, name="inflightllm-tp-abort", daemon=True).start()
+        ring = getattr(self, "ring", None)
+        if ring is not None:
+            ring.unlink()
         try:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001
             pass
 
+    def _leave_group(self) -> None:
+        """Rank 0's part of a graceful teardown: its CUDA graphs go first (NCCL communicators
+        whose collectives live in captured graphs do not finish destroying while those
+        exist), then the process groups."""
+        release_graphs = getattr(getattr(self, "runner", None), "release_graphs", None)
+        if release_graphs is not None:
+            release_graphs()
+        self.dist.destroy()
+
     def _send_stop(self) -> None:
         try:
-            self.dist.broadcast_message(("stop", None, None))
+            self._send(("stop", None, None))
         except Exception as error:  # noqa: BLE001 - the workers are killed anyway
             logger.debug("stop message failed: %r", error)
 

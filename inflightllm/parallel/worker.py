@@ -1,10 +1,11 @@
 """A tensor-parallel worker process (ranks 1..N-1), started and owned by rank 0.
 
 `python -m inflightllm.parallel.worker --rank R --world-size N --port P --backend B
- --parent-pid PID --sampler-seed S --spec JSON --config JSON`
+ --parent-pid PID --sampler-seed S --spec JSON --config JSON [--ring PATH]`
 
-It joins the process groups, loads its share of the model, builds its runner (its own
-KV cache), then runs each step rank 0 broadcasts until a stop message. It dies with its
+It maps rank 0's message ring (`--ring`; without it the messages come over the gloo
+control group), joins the process groups, loads its share of the model, builds its runner
+(its own KV cache), then runs each step rank 0 sends until a stop message. It dies with its
 parent (PR_SET_PDEATHSIG, and a thread that watches the parent's pid). Any exception
 ends the process with status 1 after printing the traceback; rank 0's watchdog sees
 the exit and fails the engine with a clear message.
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sampler-seed", type=int, required=True)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--config", required=True)
+    parser.add_argument("--ring", default=None, help="rank 0's shared-memory message ring")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     # Rank 0 owns this process: it ends it with a stop message (NCCL's teardown is collective)
@@ -97,6 +99,12 @@ def main(argv=None) -> int:
 
     spec = ModelSpec(**json.loads(args.spec))
     config = EngineConfig.from_parameters(json.loads(args.config))
+    ring = None
+    if args.ring:  # mapped before joining the group: rank 0 removes the file once all have joined
+        from inflightllm.parallel.message_ring import MessageRing
+
+        # Spin (yielding) between the steps of a busy GPU engine; a CPU engine's steps are long.
+        ring = MessageRing.open(args.ring, reader=args.rank - 1, spin_s=0.05 if config.device != "cpu" else 0.0)
     device = rank_device(config, args.rank)
     if args.backend == "nccl":
         torch.cuda.set_device(device)
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     seconds = {"wait": 0.0, "launch": 0.0, "result": 0.0}
     while True:
         start = time.perf_counter()
-        kind, step, last_sampled = dist_.broadcast_message()
+        kind, step, last_sampled = ring.read() if ring is not None else dist_.broadcast_message()
         received = time.perf_counter()
         seconds["wait"] += received - start
         if kind == "stop":
@@ -145,6 +153,9 @@ def main(argv=None) -> int:
     for _, handle in pending:
         handle.result()
     log.info("stopped after %d steps", index)
+    release_graphs = getattr(runner, "release_graphs", None)
+    if release_graphs is not None:  # before the group goes: graphs hold its collectives
+        release_graphs()
     dist_.destroy()
     return 0
 
