@@ -39,9 +39,15 @@ class TensorParallelGroup:
     world_size: int
     group: object | None = None  # the model's process group (None: the default group)
     backend: str = "gloo"
+    # GPU ranks that reach each other over NVLink: the one-shot all-reduce for small tensors
+    # (parallel/custom_all_reduce.py); NCCL does the others.
+    custom: object | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place."""
+        custom = self.custom
+        if custom is not None and custom.handles(tensor):
+            return custom.all_reduce(tensor)
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -106,6 +112,12 @@ class Distributed:
         self.control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.tp = TensorParallelGroup(rank, world_size, None, backend)
         self._destroyed = False
+        if backend == "nccl" and device is not None:
+            from inflightllm.parallel.custom_all_reduce import CustomAllReduce
+
+            self.tp.custom = CustomAllReduce.create(
+                rank, world_size, torch.device(device), self.all_gather_object, self.all_agree
+            )
 
     # ---- control messages --------------------------------------------------------------
     def broadcast_message(self, message=None):
@@ -123,6 +135,16 @@ class Distributed:
         dist.broadcast(data, 0, group=self.control)
         return pickle.loads(data.numpy().tobytes())
 
+    def all_gather_object(self, value) -> list:
+        """Every rank's `value`, in rank order (over the control group)."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.control)
+        return gathered
+
+    def all_agree(self, ok: bool) -> bool:
+        """True when every rank says `ok`."""
+        return self.min_over_ranks(1 if ok else 0) == 1
+
     def min_over_ranks(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
@@ -131,6 +153,8 @@ class Distributed:
     # ---- teardown ----------------------------------------------------------------------
     def abort(self) -> None:
         """Abort every group so that a blocked collective returns (with an error)."""
+        if self.tp.custom is not None:  # its kernels wait at a flag barrier, not in NCCL
+            self.tp.custom.abort()
         try:
             from torch.distributed.distributed_c10d import _abort_process_group
 
@@ -146,6 +170,9 @@ class Distributed:
         if self._destroyed:
             return
         self._destroyed = True
+        if self.tp.custom is not None:
+            self.tp.custom.close()
+            self.tp.custom = None
         try:
             dist.destroy_process_group()
         except Exception as error:  # noqa: BLE001

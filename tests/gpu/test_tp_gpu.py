@@ -1,12 +1,17 @@
 """Tensor parallelism on 2 GPUs (NCCL, CUDA graphs on every rank): fp32 greedy ids of
-TP=2 equal TP=1 on the same safetensors weights (in-flight, chunked prefill); a killed
-worker fails the step with a clear error within a bounded time. Needs 2 GPUs."""
+TP=2 equal TP=1 on the same safetensors weights (in-flight, chunked prefill), with the small
+all-reduces on the custom one-shot kernel and on NCCL; the custom all-reduce alone equals
+NCCL bit for bit and lets go of a rank that never arrives; a killed worker fails the step
+with a clear error within a bounded time. Needs 2 GPUs."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +35,13 @@ def config(tp: int, **overrides) -> EngineConfig:
     return EngineConfig(**values)
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
 @needs_two
-def test_tp2_greedy_equals_tp1_fp32():
+@pytest.mark.parametrize("custom_all_reduce", ["1", "0"], ids=["custom-all-reduce", "nccl-only"])
+def test_tp2_greedy_equals_tp1_fp32(custom_all_reduce, monkeypatch):
+    monkeypatch.setenv("INFLIGHTLLM_CUSTOM_ALL_REDUCE", custom_all_reduce)  # the workers inherit it
     spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
     lengths = [5, 300, 17, 64, 9, 700]
     prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in lengths]
@@ -47,6 +57,17 @@ def test_tp2_greedy_equals_tp1_fp32():
         engine = None
         release()
     assert outputs[2] == outputs[1]
+
+
+@needs_two
+def test_custom_all_reduce_equals_nccl_and_lets_go_of_a_missing_rank():
+    # Its own processes (one per GPU), as the ranks are: perf/bench_allreduce.py's checks.
+    result = subprocess.run(
+        [sys.executable, "perf/bench_allreduce.py", "--sections", "check,abort"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "custom all-reduce: PASS" in result.stdout
 
 
 @needs_two
