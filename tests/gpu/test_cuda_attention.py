@@ -225,6 +225,16 @@ def test_many_decodes_unsplit(dtype):
         case.check(case.run(decode=decode), f"300 decodes unsplit {str(dtype)[6:]} decode {decode}")
 
 
+@pytest.mark.parametrize("min_split", [64, 128, 512])
+def test_decode_min_split_tokens(min_split):
+    """paged_decode_v2 with other fewest-tokens-per-split values (INFLIGHTLLM_DECODE_MIN_SPLIT):
+    contexts of one split (written directly), a few and many, around the split sizes."""
+    specs = [(1, n) for n in (1, 31, 32, 33, 150, 511, 513, 1000, 4097, 9000)]
+    case = Case(specs, 32, 8, 128, 16, torch.bfloat16, seed=21, max_model_len=16384)
+    case.backend.decode_min_split = min_split
+    case.check(case.run("flash", decode="v2"), f"min split {min_split} bf16 decode v2")
+
+
 def test_prefill_8b_shape():
     case = Case([(4096, 4096)], 32, 8, 128, 16, torch.bfloat16, seed=2, fused=False)
     a = case.run("mma")
@@ -396,11 +406,17 @@ def test_timings(capsys):
     rows = []
     kv_row_bytes = 2 * kvh * d * 2  # K and V of one token, bf16
 
-    for (batch, ctx), decode in itertools.product(
+    default_min_split = backend.decode_min_split
+    cases = list(itertools.product(
         [(1, 32768), (32, 2048), (256, 2048), (256, 192), (1024, 192), (64, 8192), (1, 2048), (1, 160)],
         ("v1", "v2"),
-    ):
-        backend.decode_impl = decode
+    ))
+    # v2's fewest tokens per split, swept where it matters (short contexts, few sequences)
+    cases += [((batch, ctx), f"v2 min split {m}") for batch, ctx in [(1, 160), (1, 600), (8, 300), (32, 192)]
+              for m in (32, 64, 128, 256, 512)]
+    for (batch, ctx), decode in cases:
+        backend.decode_impl = decode.split()[0]
+        backend.decode_min_split = int(decode.split()[-1]) if "min split" in decode else default_min_split
         seqs = _random_tables([(1, ctx)] * batch, bs, num_blocks, batch)
         md = backend.build_metadata(seqs, DEV)
         md.max_context_len = max_model_len

@@ -43,6 +43,17 @@ def default_decode_impl() -> str:
     return impl
 
 
+def default_decode_min_split() -> int:
+    """The fewest tokens a split of paged_decode_v2 takes (ops.DECODE_MIN_SPLIT_TOKENS);
+    INFLIGHTLLM_DECODE_MIN_SPLIT overrides it: a positive multiple of 32."""
+    text = os.environ.get("INFLIGHTLLM_DECODE_MIN_SPLIT", "").strip()
+    if not text:
+        return ops.DECODE_MIN_SPLIT_TOKENS
+    if not text.isdigit() or int(text) < 32 or int(text) % 32:
+        raise ValueError(f"INFLIGHTLLM_DECODE_MIN_SPLIT={text!r}: a positive multiple of 32 (tokens per split)")
+    return int(text)
+
+
 class _FlatCaches(HostSwapMixin):
     """The caches seen as per-layer slot tensors [num_blocks * block_size, kvh, d] (views),
     for the host swap copies."""
@@ -103,6 +114,7 @@ class CudaPagedAttention(AttentionBackend):
         self.max_model_len = max_model_len
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" (ops.DECODE_KERNELS)
+        self.decode_min_split = default_decode_min_split()  # v2: the fewest tokens per split
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
@@ -269,6 +281,7 @@ class CudaPagedAttention(AttentionBackend):
                 self.scale,
                 stream,
                 self.decode_impl,
+                self.decode_min_split,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:
             kind = self.prefill_kind(query.dtype)

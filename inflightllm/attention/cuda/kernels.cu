@@ -414,13 +414,29 @@ decode_reduce_v1(const float* __restrict__ part_out, const float* __restrict__ p
     out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
 }
 
+// The splits of paged_decode_v2 that hold tokens, shared with its decode_reduce: a context of n
+// tokens in the grid's Z splits takes ceil(n / Z) tokens per split, rounded up to 32 and to at
+// least `min_split` (a short context is one split, or a few: each block then walks more tokens,
+// but the launch has fewer busy blocks and the reduce has fewer, or no, partials to merge).
+// Returns the tokens per split; *active = the splits that get tokens (0 when n == 0).
+__device__ __forceinline__ int decode_split_tokens(int n, int Z, int min_split, int* active) {
+    int per = (n + Z - 1) / Z;
+    per = (per + 31) & ~31;
+    per = max(per, min_split);
+    *active = (n + per - 1) / per;
+    return per;
+}
+
 // grid (num_heads, num_decodes), D threads. Z <= RED_MAXZ. Weights of the splits first (in
 // shared memory), then each thread sums its dimension over the splits with independent loads.
+// Only the sequence's active splits (decode_split_tokens) are merged; with one, paged_decode_v2
+// has written the output itself and this block has nothing to do.
 #define RED_MAXZ 1024
 template <typename T, int D>
 __global__ void __launch_bounds__(D)
 decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part_m,
-              const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z) {
+              const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z,
+              const int* __restrict__ context_lens, int window, int min_split) {
     pdl_trigger();
     pdl_wait();
     constexpr int NW = D / 32;
@@ -429,10 +445,15 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
     const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
     const int lane = d & 31, warp = d >> 5;
     const i64 hrow = (i64)seq * num_heads + head;
+    const int ctx = context_lens[seq];
+    const int n = ctx - ((window > 0) ? max(0, ctx - window) : 0);
+    int active;
+    decode_split_tokens(n, Z, min_split, &active);
+    if (active <= 1) return;
     const float* pm = part_m + hrow * Z;
     const float* pl = part_l + hrow * Z;
     float mx = neg_inf();
-    for (int i = d; i < Z; i += D) mx = fmaxf(mx, pm[i]);
+    for (int i = d; i < active; i += D) mx = fmaxf(mx, pm[i]);
     mx = warp_max(mx);
     if (lane == 0) s_r[warp] = mx;
     __syncthreads();
@@ -441,7 +462,7 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
     for (int w = 1; w < NW; ++w) M = fmaxf(M, s_r[w]);
     const float M_use = (M == neg_inf()) ? 0.f : M;
     float ls = 0.f;
-    for (int i = d; i < Z; i += D) {
+    for (int i = d; i < active; i += D) {
         const float l = pl[i];
         const float w = (l > 0.f) ? exp2f(pm[i] - M_use) : 0.f;
         s_w[i] = w;
@@ -457,7 +478,7 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
     const float* po = part_out + hrow * Z * D + d;
     float acc = 0.f;
 #pragma unroll 8
-    for (int i = 0; i < Z; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
+    for (int i = 0; i < active; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
     out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
 }
 
@@ -479,7 +500,7 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
                 T* __restrict__ out,
                 float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
                 int num_heads, int num_kv_heads, int group, int groups_per_kv,
-                int bs_shift, int window, float scale_log2) {
+                int bs_shift, int window, float scale_log2, int min_split) {
     pdl_trigger();
     pdl_wait();
     constexpr int VEC = 16 / sizeof(T);
@@ -506,14 +527,16 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
     const int ctx = context_lens[seq];
     const int start = (window > 0) ? max(0, ctx - window) : 0;
     const int n = ctx - start;
-    int per = (n + Z - 1) / Z;
-    per = (per + 31) & ~31;
-    const int r0 = start + split * per;
-    const int r1 = min(ctx, r0 + per);
-    if (r0 >= r1) {
-        decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, Z, tid);
+    int active;
+    const int per = decode_split_tokens(n, Z, min_split, &active);
+    if (split >= active) {  // no tokens here: decode_reduce merges only the active splits
+        if (split == 0)  // an empty context: zeros (decode_reduce skips it as a single split)
+            decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
         return;
     }
+    const bool direct = (active == 1);  // the only split: the normalised output, no partials
+    const int r0 = start + split * per;
+    const int r1 = min(ctx, r0 + per);
 
     float qr[MAXG][VEC];
 #pragma unroll
@@ -665,7 +688,7 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             v = fmaf(wt, s_red[(w * MAXG + g) * D + d], v);
         }
         const i64 hrow = (i64)seq * num_heads + head0 + g;
-        if (Z == 1) {
+        if (direct) {
             out[hrow * D + d] = Cvt<T>::from(v / L);
         } else {
             part_out[(hrow * Z + split) * D + d] = v;

@@ -29,6 +29,9 @@ HEAD_DIMS = (64, 128)
 DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2"}  # see docs/CUDA-KERNELS.md
 DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce"}
 MAX_SPLITS = 1024  # RED_MAXZ in kernels.cu
+# paged_decode_v2: the fewest tokens a split of a decode's context takes (a multiple of 32).
+# INFLIGHTLLM_DECODE_MIN_SPLIT overrides it (benchmarks). See docs/CUDA-KERNELS.md.
+DECODE_MIN_SPLIT_TOKENS = 32
 DECODE_THREADS = 128
 PREFILL_MMA_M = 64
 PREFILL_FMA_M = 16
@@ -228,10 +231,13 @@ def paged_decode(
     scale,
     stream,
     variant="v2",
+    min_split=DECODE_MIN_SPLIT_TOKENS,
 ) -> None:
     """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
 
-    num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket."""
+    num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With v2 a
+    context of n tokens uses only ceil(n / per) of them, per = max(ceil(n / Z) rounded up to
+    32, min_split) (kernels.cu, decode_split_tokens), and its decode_reduce merges only those."""
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
@@ -268,11 +274,15 @@ def paged_decode(
         _i32(window or 0),
         np.float32(scale * np.log2(np.e)),
     )
+    if variant == "v2":
+        args += (_i32(min_split),)
     device = query.device.index
     _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
+        if variant == "v2":
+            args += (_p(context_lens), _i32(window or 0), _i32(min_split))
         _launch(red, (num_heads, num_decodes), head_dim, args, stream, device)
 
 
