@@ -287,6 +287,12 @@ class GpuModelRunner:
         self.context_lens.fill_(1)
         self.query_start_loc.copy_(self._row_offsets)
         self.graph_pool = torch.cuda.graph_pool_handle()
+        # This GPU's own capture stream: torch.cuda.graph's default one is created once per
+        # process, on the GPU current at the first capture, and entering it makes that GPU
+        # current. A second engine on another GPU in the same process (two data-parallel
+        # engines driven from one program) then captured its kernels on the first GPU's
+        # stream, with its own GPU's pointers: an illegal address at replay.
+        capture_stream = torch.cuda.Stream(device=self.device)
         for batch in sorted(buckets, reverse=True):
             metadata = self._graph_metadata(batch)
             with ops.torch_stream():  # warm-up outside capture (kernel compilation, cuBLAS handles)
@@ -301,7 +307,7 @@ class GpuModelRunner:
             # logits, and the LM head runs after the replay on the rows that sample.
             # Under tensor parallelism the LM head's all-gather is captured with it.
             with_logits = batch <= LOGITS_GRAPH_MAX_BUCKET
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            with torch.cuda.graph(graph, pool=self.graph_pool, stream=capture_stream):
                 with ops.torch_stream():
                     hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
                     logits = self.model.compute_logits(hidden) if with_logits else None

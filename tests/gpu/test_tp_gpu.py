@@ -105,17 +105,12 @@ def test_killed_worker_fails_the_step_clearly():
 
 
 @needs_two
-@pytest.mark.xfail(
-    run=False,
-    reason="known bug (docs/PERFORMANCE.md, 'Data parallel through the server'): after an engine on GPU 0 "
-    "ran in this process, an engine on GPU 1 stepped from another thread faults in its CUDA-graph replay "
-    "(illegal address), which poisons the process; one engine per process on GPU 1, as each data-parallel "
-    "server instance is, runs correctly (measured through the server)",
-)
 def test_an_engine_on_gpu_1_steps_from_another_thread():
     """A data-parallel instance: the engine is loaded on GPU 1 in one thread and stepped from
     another (the server's engine loop), where the current device is GPU 0 unless the runner
-    sets it; its ids equal an engine's on GPU 0."""
+    sets it; its ids equal an engine's on GPU 0, which ran first in the same process (each
+    engine captures its graphs on a stream of its own GPU: torch's default capture stream
+    belongs to the GPU of the first capture)."""
     import threading
 
     spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
