@@ -75,6 +75,22 @@ def test_worker_is_a_separate_process_that_ends_with_shutdown():
     assert worker.poll() is not None
     assert time.monotonic() - started < 15
     runner.shutdown()  # idempotent
+    if runner.ring is not None:  # the shared-memory ring (x86-64): removed once all had joined
+        assert not runner.ring.path.exists()
+
+
+def _our_rings() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"inflightllm-tp-{os.getpid()}-*")}
+
+
+def test_a_worker_that_cannot_start_leaves_no_ring_behind(monkeypatch):
+    from inflightllm.parallel import tp_runner
+
+    before = _our_rings()
+    monkeypatch.setattr(tp_runner, "python_executable", lambda: "/nonexistent/python3")
+    with pytest.raises(FileNotFoundError):
+        Engine(TINY, config(tensor_parallel_size=2), sampler_seed=0)
+    assert _our_rings() == before
 
 
 @pytest.mark.parametrize("how", ["kill", "hang"])

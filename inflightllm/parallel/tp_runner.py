@@ -113,8 +113,12 @@ class TensorParallelRunner:
         port = free_port()
         backend = "gloo" if config.device == "cpu" else "nccl"
         self.ring = self._create_ring()
-        self._start_workers(port, backend)
-        atexit.register(self.shutdown)
+        atexit.register(self.shutdown)  # from here on: stops the workers, removes the ring's file
+        try:
+            self._start_workers(port, backend)
+        except BaseException:
+            self.shutdown()
+            raise
         self._watchdog = threading.Thread(target=self._watch, name="inflightllm-tp-watchdog", daemon=True)
         self._watchdog.start()
         try:
