@@ -68,15 +68,16 @@ class CustomAllReduce:
     """One rank's end. Build it with `create` (collective over the control group)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, max_bytes: int, own_ptr: int,
-                 peer_ptrs: list[int], abort_host: int, abort_device: int):
+                 peer_ptrs: list[int], abort_flag: int):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.max_bytes = max_bytes
         self._own = own_ptr
         self._peers = peer_ptrs  # opened IPC mappings (this rank's excluded), closed in close()
-        self._abort_host = abort_host
-        self._abort_device = abort_device
+        # Mapped pinned memory: with unified addressing (every 64-bit CUDA process) the kernel
+        # reads it at the host pointer itself.
+        self._abort_flag = abort_flag
         bases = [own_ptr if r == rank else peer_ptrs[r - (r > rank)] for r in range(world_size)]
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)  # uint64 in the kernel
         self._closed = False
@@ -102,25 +103,22 @@ class CustomAllReduce:
                     runtime.memset(own, 0, HEADER_BYTES + 2 * max_bytes)
                     runtime.deviceSynchronize()
                     handle = bytes(runtime.ipcGetMemHandle(own))
-                    # Mapped pinned memory: with unified addressing (every 64-bit CUDA process)
-                    # the kernel reads it at the host pointer itself.
-                    abort_host = runtime.hostAlloc(4, _HOST_ALLOC_MAPPED)
-                    ctypes.c_int.from_address(abort_host).value = 0
-                    abort_device = abort_host
+                    abort_flag = runtime.hostAlloc(4, _HOST_ALLOC_MAPPED)
+                    ctypes.c_int.from_address(abort_flag).value = 0
                     _module(device.index)
-                state = (own, abort_host, abort_device)
+                state = (own, abort_flag)
             except Exception as error:  # noqa: BLE001 - any failure: NCCL for everything
                 ok, reason = False, f"{type(error).__name__}: {error}"
-        gpus = exchange((device.index, os.getpid(), handle if ok else b""))
+        gpus = exchange((device.index, handle if ok else b""))
         if ok:
-            for index, _pid, _ in gpus:
+            for index, _ in gpus:
                 if index != device.index and not runtime.deviceCanAccessPeer(device.index, index):
                     ok, reason = False, f"GPU {device.index} cannot access GPU {index} (no P2P)"
         peers: list[int] = []
         if ok:
             try:
                 with cupy.cuda.Device(device.index):
-                    for r, (_, _, peer_handle) in enumerate(gpus):
+                    for r, (_, peer_handle) in enumerate(gpus):
                         if r != rank:
                             peers.append(runtime.ipcOpenMemHandle(peer_handle, _IPC_LAZY_ENABLE_PEER_ACCESS))
             except Exception as error:  # noqa: BLE001
@@ -137,9 +135,9 @@ class CustomAllReduce:
                     runtime.free(state[0])
                     runtime.freeHost(state[1])
             return None
-        own, abort_host, abort_device = state
+        own, abort_flag = state
         logger.info("custom all-reduce on rank %d (%s, up to %d KiB per call)", rank, device, max_bytes >> 10)
-        return cls(rank, world_size, device, max_bytes, own, peers, abort_host, abort_device)
+        return cls(rank, world_size, device, max_bytes, own, peers, abort_flag)
 
     # ---- use -------------------------------------------------------------------------
     def handles(self, tensor: torch.Tensor) -> bool:
@@ -158,7 +156,7 @@ class CustomAllReduce:
         index = self.device.index
         function = _function(index, tensor.dtype)
         pointer = np.uintp(tensor.data_ptr())
-        args = (pointer, pointer, np.uintp(self.bases.data_ptr()), np.uintp(self._abort_device),
+        args = (pointer, pointer, np.uintp(self.bases.data_ptr()), np.uintp(self._abort_flag),
                 np.int32(self.rank), np.int32(self.world_size),
                 np.int64(tensor.numel() * tensor.element_size() // 16), np.int64(self.max_bytes))
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -172,7 +170,7 @@ class CustomAllReduce:
     def abort(self) -> None:
         """Let kernels that wait at the barrier for a rank that is gone return (garbage)."""
         if not self._closed:
-            ctypes.c_int.from_address(self._abort_host).value = 1
+            ctypes.c_int.from_address(self._abort_flag).value = 1
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after its kernels have finished)."""
@@ -188,6 +186,6 @@ class CustomAllReduce:
                 for pointer in self._peers:
                     runtime.ipcCloseMemHandle(pointer)
                 runtime.free(self._own)
-                runtime.freeHost(self._abort_host)
+                runtime.freeHost(self._abort_flag)
         except Exception as error:  # noqa: BLE001 - teardown is best effort
             logger.debug("custom all-reduce close: %r", error)

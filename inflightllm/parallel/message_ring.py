@@ -112,12 +112,6 @@ class MessageRing:
         except FileNotFoundError:
             pass
 
-    def close(self) -> None:
-        try:
-            self._map.close()
-        except (BufferError, ValueError):  # a NumPy view still holds it: the process ends soon
-            pass
-
     # ---- writing -------------------------------------------------------------------------
     def write(self, message, stop=None) -> None:
         """Pickle `message` and append it. `stop()` is asked while the ring is full; when it

@@ -95,3 +95,13 @@ def cpu_num_blocks(spec: ModelSpec, config: EngineConfig, hf_config: dict) -> in
     from inflightllm.engine import num_kv_blocks
 
     return num_kv_blocks(config, ModelDims.from_config(hf_config), spec.dtype)
+
+
+def leave_group(runner, dist_: Distributed) -> None:
+    """A rank's part of a graceful teardown (rank 0 and the workers alike): its CUDA graphs go
+    first, since NCCL communicators whose collectives live in captured graphs do not finish
+    destroying while those exist (pytorch/pytorch#115388); then the process groups."""
+    release_graphs = getattr(runner, "release_graphs", None)
+    if release_graphs is not None:
+        release_graphs()
+    dist_.destroy()

@@ -41,6 +41,7 @@ from inflightllm.parallel import message_ring
 from inflightllm.parallel.group import NCCL_SAFE_ENV, Distributed
 from inflightllm.parallel.runner import (
     cpu_num_blocks,
+    leave_group,
     load_rank_model,
     make_rank_runner,
     rank_device,
@@ -301,7 +302,10 @@ class TensorParallelRunner:
         idle = self._step_started is None
         graceful = dist_ is not None and idle and self.failure is None and all(w.poll() is None for w in self.workers)
         if graceful:
-            if _bounded(self._send_stop, STOP_GRACE_S) and _bounded(self._leave_group, TEARDOWN_TIMEOUT_S):
+            runner = getattr(self, "runner", None)
+            if _bounded(self._send_stop, STOP_GRACE_S) and _bounded(
+                lambda: leave_group(runner, dist_), TEARDOWN_TIMEOUT_S
+            ):
                 deadline = time.monotonic() + STOP_GRACE_S
                 for worker in self.workers:
                     try:
@@ -320,15 +324,6 @@ class TensorParallelRunner:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001
             pass
-
-    def _leave_group(self) -> None:
-        """Rank 0's part of a graceful teardown: its CUDA graphs go first (NCCL communicators
-        whose collectives live in captured graphs do not finish destroying while those
-        exist), then the process groups."""
-        release_graphs = getattr(getattr(self, "runner", None), "release_graphs", None)
-        if release_graphs is not None:
-            release_graphs()
-        self.dist.destroy()
 
     def _send_stop(self) -> None:
         try:

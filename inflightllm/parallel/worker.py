@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     from inflightllm.parallel.group import Distributed
     from inflightllm.parallel.runner import (
         cpu_num_blocks,
+        leave_group,
         load_rank_model,
         make_rank_runner,
         rank_device,
@@ -153,10 +154,7 @@ def main(argv=None) -> int:
     for _, handle in pending:
         handle.result()
     log.info("stopped after %d steps", index)
-    release_graphs = getattr(runner, "release_graphs", None)
-    if release_graphs is not None:  # before the group goes: graphs hold its collectives
-        release_graphs()
-    dist_.destroy()
+    leave_group(runner, dist_)
     return 0
 
 
