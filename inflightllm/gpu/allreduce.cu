@@ -1,9 +1,10 @@
 // One-shot all-reduce over GPUs of one host that can read each other's memory (NVLink P2P),
 // for the small all-reduces of tensor-parallel decode (inflightllm/parallel/custom_all_reduce.py).
-// pdl.cuh (pdl_trigger, pdl_wait) is prepended when this is compiled.
+// pdl.cuh (pdl_trigger, pdl_wait, the flag accesses) is prepended when this is compiled.
 //
 // Each rank owns one buffer, mapped into every rank's address space (CUDA IPC):
-//   [flags: GRID x MAX_RANKS uint64][counters: GRID uint64][pad to 256 B][slot 0][slot 1]
+//   [flags: GRID x MAX_RANKS uint64][counters: GRID uint64][fused header at 768][pad to 1 KiB]
+//   [slot 0][slot 1][the fused all-reduce's slots (layers.cu)]
 // `bases[r]` is rank r's buffer as this process sees it. Every launch has GRID blocks; block b
 // takes a fixed share of the vectors. Block b of every rank, per call:
 //   1. copies its share of `input` into its own slot (epoch % 2),
@@ -25,15 +26,7 @@
 #define AR_THREADS 512
 #define AR_HEADER_BYTES 1024
 
-__device__ __forceinline__ void st_release_sys(unsigned long long* address, unsigned long long value) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* address) {
-    unsigned long long value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
-    return value;
-}
+// st_release_sys, ld_acquire_sys: pdl.cuh.
 
 template <typename T>
 __device__ __forceinline__ void add_vector(float* acc, const uint4& v) {

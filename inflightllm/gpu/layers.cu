@@ -275,24 +275,120 @@ __device__ __forceinline__ void normalize_chunk(uint4* xv, int c, const uint4& w
     xv[c] = v;
 }
 
+// ---- The all-reduce fused into the small-batch GEMVs (tensor parallel) -----------------------
+// Under tensor parallelism the o and down GEMVs give each rank a partial sum that the next
+// norm kernel needs summed over the ranks. Instead of an all-reduce kernel between them
+// (allreduce.cu), the GEMV writes its rows straight into every rank's buffer (CUDA IPC over
+// NVLink) and the next kernel sums them there, in rank order as that kernel does (the same
+// bits on every rank, and the same as the kernel's). No fence and no barrier: every 8-byte
+// word carries 4 bytes of the row and the call's epoch (an "LL" word, as NCCL's low-latency
+// protocol), stored at once, so a reader that sees the epoch sees the data with it.
+// - the producer (small_gemv with `fused`) reads the epoch count E of this rank (after its
+//   pdl_wait), writes its rows as words of epoch E + 1 into slot (E + 1) % 2 of every rank,
+//   in this rank's region; its grid's last block to arrive (a local counter) stores E + 1;
+// - the consumer (qkv_norm_rope, gate_up_norm_silu with `fused`, after its pdl_wait, so E
+//   is the producer's epoch) polls each word of every rank's region until it holds E.
+// A rank writes a slot again two calls later, after a consumer that every rank entered only
+// once it had finished the call before (as in allreduce.cu): nobody still reads it then.
+// Each rank's buffer is the custom all-reduce's (parallel/custom_all_reduce.py): at
+// FUSED_HEADER the epoch count (uint64) and the arrival counter; the slots from `slots`:
+// [2][world][FUSED_SLOT_BYTES], FUSED_SLOT_BYTES of words for 2 * that many bytes of rows.
+#define FUSED_HEADER 768
+#define FUSED_SLOT_BYTES (256 * 1024)
+
+struct Fused {  // the kernels take it as five arguments (fused_bases, ...)
+    const unsigned long long* bases;  // [world] the ranks' buffers as this process maps them; null: not fused
+    const volatile int* abort;        // set by the host: stop waiting for a rank that is gone
+    long long slots;                  // offset of the slots in every buffer
+    int rank, world;
+};
+
+__device__ __forceinline__ unsigned long long* fused_header(const Fused& f) {
+    return reinterpret_cast<unsigned long long*>(f.bases[f.rank] + FUSED_HEADER);
+}
+
+// Rank `of_rank`'s region of slot (epoch % 2) in rank r's buffer, as 8-byte words.
+__device__ __forceinline__ unsigned long long* fused_words(const Fused& f, int r, unsigned long long epoch, int of_rank) {
+    return reinterpret_cast<unsigned long long*>(
+        f.bases[r] + f.slots + ((long long)(epoch & 1) * f.world + of_rank) * FUSED_SLOT_BYTES);
+}
+
+__device__ __forceinline__ void st_word_sys(unsigned long long* address, unsigned int data, unsigned long long epoch) {
+    const unsigned long long word = ((unsigned long long)(unsigned int)epoch << 32) | data;
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(word) : "memory");
+}
+
+// The producer's end (every thread of the block calls it): the grid's last block stores the
+// epoch count for the next kernels of this rank.
+__device__ __forceinline__ void fused_arrive(const Fused& f, unsigned long long epoch) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    unsigned long long* header = fused_header(f);
+    unsigned int* arrivals = reinterpret_cast<unsigned int*>(header + 1);
+    if (atomicAdd(arrivals, 1u) != gridDim.x - 1) return;
+    *arrivals = 0;
+    header[0] = epoch;
+}
+
+// 16 bytes of the ranks' rows (chunk `chunk` of the rows) summed in rank order (float), as
+// allreduce.cu's kernel sums: 4 words of each rank, each polled until it holds `epoch`.
+template <typename T>
+__device__ __forceinline__ uint4 fused_sum(const Fused& f, unsigned long long epoch, long long chunk) {
+    constexpr int VEC = 16 / sizeof(T);
+    const unsigned int want = (unsigned int)epoch;
+    float acc[VEC] = {};
+    for (int r = 0; r < f.world; ++r) {
+        const unsigned long long* words = fused_words(f, f.rank, epoch, r) + 4 * chunk;
+        unsigned long long w[4];
+        unsigned int spins = 0;
+        for (;;) {
+            asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(w[0]), "=l"(w[1]) : "l"(words) : "memory");
+            asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(w[2]), "=l"(w[3]) : "l"(words + 2) : "memory");
+            if ((unsigned int)(w[0] >> 32) == want && (unsigned int)(w[1] >> 32) == want &&
+                (unsigned int)(w[2] >> 32) == want && (unsigned int)(w[3] >> 32) == want) break;
+            if ((++spins & 1023u) == 0 && *f.abort) break;
+        }
+        uint4 v = make_uint4((unsigned int)w[0], (unsigned int)w[1], (unsigned int)w[2], (unsigned int)w[3]);
+        const T* x = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += to_f<T>(x[i]);
+    }
+    uint4 out;
+    T* y = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) y[i] = from_f<T>(acc[i]);
+    return out;
+}
+
 // Prologue of the fused norm GEMVs: xs[m] = weight * rmsnorm(r[m]) for the block's M tokens,
 // with r = T(residual + delta) (delta may be null: r = residual). Block 0 writes r to
 // residual_out (a different buffer from residual_in: other blocks still read the input).
 // wpre: the thread's first norm weight chunks (prefetch_norm_weight).
+// With `fused` (bases not null) delta is instead the ranks' rows in the fused all-reduce's
+// slots, summed here (fused_sum).
 template <typename T, int M>
 __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ residual_in, const T* __restrict__ delta,
                                               T* __restrict__ residual_out, const T* __restrict__ weight,
-                                              const uint4 (&wpre)[NPRE], float eps, int count, int K) {
+                                              const uint4 (&wpre)[NPRE], float eps, int count, int K, const Fused& fused) {
     constexpr int VEC = 16 / sizeof(T);
     const int chunks = K / VEC;
+    const T* delta_rows = delta;
+    if (fused.bases != nullptr) {  // the ranks' rows summed into xs first; each thread reads back its own chunks
+        const unsigned long long epoch = fused_header(fused)[0];  // the producer's (it has completed)
+        for (int m = 0; m < count; ++m)
+#pragma unroll 1
+            for (int c = threadIdx.x; c < chunks; c += blockDim.x)
+                reinterpret_cast<uint4*>(xs + (long)m * K)[c] = fused_sum<T>(fused, epoch, (long long)m * chunks + c);
+        delta_rows = xs;
+    }
     for (int m = 0; m < count; ++m) {
         const uint4* res = reinterpret_cast<const uint4*>(residual_in + (long)m * K);
-        const uint4* del = reinterpret_cast<const uint4*>(delta + (long)m * K);
+        const uint4* del = reinterpret_cast<const uint4*>(delta_rows + (long)m * K);
         uint4* xv = reinterpret_cast<uint4*>(xs + (long)m * K);
         float sum = 0.0f;
         for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
             uint4 rv = res[c];
-            if (delta != nullptr) {
+            if (delta_rows != nullptr) {
                 const uint4 dv = del[c];
                 T* rs = reinterpret_cast<T*>(&rv);
                 const T* ds = reinterpret_cast<const T*>(&dv);
@@ -327,7 +423,10 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
         const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
         const long* __restrict__ positions, const T* __restrict__ cos_sin,
         const long* __restrict__ slot_mapping, T* __restrict__ key_cache, T* __restrict__ value_cache,
-        int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps) {
+        int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps,
+        const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
+        int fused_rank, int fused_world) {
+    const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* xs = reinterpret_cast<T*>(smem_raw);
     const int half = head_dim / 2;
@@ -360,7 +459,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     }
     pdl_trigger();
     pdl_wait();  // everything above is constant for the step; the residual and delta come from earlier kernels
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K, fused);
     if (unit >= units) return;
     float acc[2][M];
 #pragma unroll
@@ -405,7 +504,10 @@ template <typename T, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
         T* __restrict__ act, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
         const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
-        int inter, int count, int K, float eps) {
+        int inter, int count, int K, float eps,
+        const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
+        int fused_rank, int fused_world) {
+    const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* xs = reinterpret_cast<T*>(smem_raw);
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -416,7 +518,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     prefetch_norm_weight<T>(wpre, norm_weight, K);
     pdl_trigger();
     pdl_wait();
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K, fused);
     if (j >= inter) return;
     float acc[2][M];
 #pragma unroll
@@ -437,32 +539,62 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
 
 // out[m] = W @ x[m] + bias, one warp per pair of output rows (n, n + 1): half as many warps
 // as rows, so that the o and down GEMVs of an 8B model run in one wave of resident blocks;
-// x read from global memory (L1-cached).
+// x read from global memory (L1-cached). With `fused` (bases not null), the rows go to every
+// rank's fused all-reduce slot instead of `out` (N even; 2 * N * count * sizeof(T) bytes must
+// fit a slot), and the next kernel sums them.
 template <typename T, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
-        T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K) {
+        T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K,
+        const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
+        int fused_rank, int fused_world) {
+    const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
     const int n = 2 * (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+    const bool active = n < N;
     pdl_trigger();
-    if (n >= N) { pdl_wait(); return; }
     const bool pair = n + 1 < N;
-    const T* rows[2] = {W + (long)n * K, W + (long)(pair ? n + 1 : n) * K};
+    const T* rows[2] = {W + (long)(active ? n : 0) * K, W + (long)(pair ? n + 1 : (active ? n : 0)) * K};
     uint4 w[4][2];
-    if (whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    if (active && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
     pdl_wait();  // x comes from the kernel before
+    if (!active && fused.bases == nullptr) return;
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
-    warp_dot<T, M, 2, 4>(rows, x, count, K, acc, w);
-    if ((threadIdx.x & 31) != 0) return;
+    if (active) warp_dot<T, M, 2, 4>(rows, x, count, K, acc, w);
+    const unsigned long long epoch = fused.bases != nullptr ? fused_header(fused)[0] + 1 : 0;
+    if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        if (m >= count) break;
+        for (int m = 0; m < M; ++m) {
+            if (m >= count) break;
+            T v[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (r == 1 && !pair) break;
-            float v = acc[r][m];
-            if (bias != nullptr) v += to_f<T>(bias[n + r]);
-            out[(long)m * N + n + r] = from_f<T>(v);
+            for (int r = 0; r < 2; ++r) {
+                float value = acc[r][m];
+                if (bias != nullptr && (r == 0 || pair)) value += to_f<T>(bias[n + r]);
+                v[r] = from_f<T>(value);
+            }
+            if (fused.bases == nullptr) {
+                out[(long)m * N + n] = v[0];
+                if (pair) out[(long)m * N + n + 1] = v[1];
+                continue;
+            }
+            // 4 bytes of the row per word: the pair (n even, N even) in one word for 2-byte
+            // types, one value per word for float
+            const long word = ((long)m * N + n) * (long)sizeof(T) / 4;
+            unsigned int data[2];
+            if (sizeof(T) == 2) {
+                data[0] = *reinterpret_cast<const unsigned short*>(&v[0]);
+                if (pair) data[0] |= (unsigned int)*reinterpret_cast<const unsigned short*>(&v[1]) << 16;
+            } else {
+                data[0] = *reinterpret_cast<const unsigned int*>(&v[0]);
+                data[1] = *reinterpret_cast<const unsigned int*>(&v[1]);
+            }
+            for (int r = 0; r < fused.world; ++r) {
+                unsigned long long* words = fused_words(fused, r, epoch, fused.rank) + word;
+                st_word_sys(words, data[0], epoch);
+                if (sizeof(T) == 4 && pair) st_word_sys(words + 1, data[1], epoch);
+            }
         }
     }
+    if (fused.bases != nullptr) fused_arrive(fused, epoch);
 }

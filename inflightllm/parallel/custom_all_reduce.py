@@ -12,6 +12,12 @@ Used for tensors of at most `max_bytes` (the decode buckets), in the engine's dt
 GPUs that can all reach each other (peer access); NCCL does the rest. All ranks set it up
 together and agree: if one cannot, none uses it. `INFLIGHTLLM_CUSTOM_ALL_REDUCE=0` turns it
 off. `abort()` releases kernels that wait for a rank that died (the runner's failure path).
+
+The same buffers also carry the all-reduce fused into the small-batch kernels (gpu/layers.cu,
+"The all-reduce fused into the small-batch GEMVs"): the o and down GEMVs write their rows
+into every rank's buffer and the next norm kernel sums them, so no all-reduce kernel runs
+between them. `fused_args` gives those kernels the buffers; `INFLIGHTLLM_FUSED_ALL_REDUCE=0`
+keeps the all-reduce kernel instead.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV = "INFLIGHTLLM_CUSTOM_ALL_REDUCE"
+FUSED_ENV = "INFLIGHTLLM_FUSED_ALL_REDUCE"
+FUSED_SLOT_BYTES = 256 << 10  # FUSED_SLOT_BYTES in layers.cu: one rank's rows of one call, as 8-byte words
 SOURCE = Path(__file__).resolve().parent.parent / "gpu" / "allreduce.cu"
 GRID = 8  # AR_GRID in allreduce.cu
 THREADS = 512
@@ -39,8 +47,14 @@ _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 _HOST_ALLOC_MAPPED = 2
 
 
-def wanted() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+def wanted(name: str = ENV) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def buffer_bytes(world_size: int, max_bytes: int) -> int:
+    """One rank's buffer: the header, the all-reduce kernel's two slots, then the fused
+    all-reduce's two slots per rank."""
+    return HEADER_BYTES + 2 * max_bytes + 2 * world_size * FUSED_SLOT_BYTES
 
 
 @functools.cache
@@ -81,6 +95,7 @@ class CustomAllReduce:
         bases = [own_ptr if r == rank else peer_ptrs[r - (r > rank)] for r in range(world_size)]
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)  # uint64 in the kernel
         self._closed = False
+        self.fused = wanted(FUSED_ENV)
 
     # ---- set-up ----------------------------------------------------------------------
     @classmethod
@@ -99,8 +114,9 @@ class CustomAllReduce:
         if ok:
             try:
                 with cupy.cuda.Device(device.index):
-                    own = runtime.malloc(HEADER_BYTES + 2 * max_bytes)
-                    runtime.memset(own, 0, HEADER_BYTES + 2 * max_bytes)
+                    size = buffer_bytes(world_size, max_bytes)
+                    own = runtime.malloc(size)
+                    runtime.memset(own, 0, size)
                     runtime.deviceSynchronize()
                     handle = bytes(runtime.ipcGetMemHandle(own))
                     abort_flag = runtime.hostAlloc(4, _HOST_ALLOC_MAPPED)
@@ -166,6 +182,15 @@ class CustomAllReduce:
             with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
                 function((GRID,), (THREADS,), args)
         return tensor
+
+    def fused_args(self, nbytes: int) -> tuple | None:
+        """The small-batch kernels' `fused_*` arguments (bases, abort flag, offset of the
+        slots, rank, world size) for rows of `nbytes` per rank, or None where the fused
+        all-reduce does not take them (off, closed, or more than a slot)."""
+        if not self.fused or self._closed or not 0 < 2 * nbytes <= FUSED_SLOT_BYTES or nbytes % 16:
+            return None
+        return (np.uintp(self.bases.data_ptr()), np.uintp(self._abort_flag), np.int64(HEADER_BYTES + 2 * self.max_bytes),
+                np.int32(self.rank), np.int32(self.world_size))
 
     def abort(self) -> None:
         """Let kernels that wait at the barrier for a rank that is gone return (garbage)."""

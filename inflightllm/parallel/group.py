@@ -51,6 +51,12 @@ class TensorParallelGroup:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def fused_all_reduce(self, nbytes: int) -> tuple | None:
+        """The arguments of the all-reduce fused into the small-batch kernels for rows of
+        `nbytes` (gpu/layers.cu), or None: all-reduce with `all_reduce` instead."""
+        custom = self.custom
+        return custom.fused_args(nbytes) if custom is not None else None
+
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """[n, k] on each rank -> [n, world_size * k], the ranks' columns in rank order."""
         n, k = tensor.shape

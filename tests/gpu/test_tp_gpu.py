@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 GPUs (NCCL, CUDA graphs on every rank): fp32 greedy ids of
 TP=2 equal TP=1 on the same safetensors weights (in-flight, chunked prefill), with the small
-all-reduces on the custom one-shot kernel and on NCCL; the custom all-reduce alone equals
+all-reduces on the custom one-shot kernel, on NCCL, and fused into the small-batch kernels;
+the fused all-reduce gives the all-reduce kernel's bits; the custom all-reduce alone equals
 NCCL bit for bit and lets go of a rank that never arrives; a killed worker fails the step
 with a clear error within a bounded time. Needs 2 GPUs."""
 
@@ -39,9 +40,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @needs_two
-@pytest.mark.parametrize("custom_all_reduce", ["1", "0"], ids=["custom-all-reduce", "nccl-only"])
-def test_tp2_greedy_equals_tp1_fp32(custom_all_reduce, monkeypatch):
-    monkeypatch.setenv("INFLIGHTLLM_CUSTOM_ALL_REDUCE", custom_all_reduce)  # the workers inherit it
+@pytest.mark.parametrize("custom_all_reduce,small_batch", [("1", "auto"), ("0", "auto"), ("1", "on")],
+                         ids=["custom-all-reduce", "nccl-only", "fused-all-reduce-in-small-batch-kernels"])
+def test_tp2_greedy_equals_tp1_fp32(custom_all_reduce, small_batch, monkeypatch):
+    # the workers inherit the environment; "on": batch-1 steps in the small-batch kernels, whose
+    # all-reduce under TP is fused into them (gpu/layers.cu)
+    monkeypatch.setenv("INFLIGHTLLM_CUSTOM_ALL_REDUCE", custom_all_reduce)
+    monkeypatch.setenv("INFLIGHTLLM_SMALL_BATCH_KERNELS", small_batch)
     spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
     lengths = [5, 300, 17, 64, 9, 700]
     prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in lengths]
@@ -57,6 +62,30 @@ def test_tp2_greedy_equals_tp1_fp32(custom_all_reduce, monkeypatch):
         engine = None
         release()
     assert outputs[2] == outputs[1]
+
+
+@needs_two
+def test_fused_all_reduce_gives_the_bits_of_the_all_reduce_kernel(monkeypatch):
+    """bf16 TP=2, one request at a time (every decode step at batch 1 in the small-batch
+    kernels): with the o/down all-reduce fused into the kernels, the greedy ids equal those
+    with the all-reduce kernel between them. The fused sum is the kernel's, in rank order, so
+    the logits are the same bits and so are the ids, over every step."""
+    spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="bfloat16")
+    prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in (7, 120, 33)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("INFLIGHTLLM_FUSED_ALL_REDUCE", fused)  # read when the ranks set up
+        engine = Engine(spec, config(2), sampler_seed=0)
+        try:
+            llm = LLM(spec, engine=engine, load_tokenizer_too=False)
+            outputs[fused] = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
+        finally:
+            getattr(engine.runner, "shutdown", lambda: None)()
+        engine = None
+        release()
+    assert all(len(ids) == 40 for ids in outputs["1"])
+    assert outputs["1"] == outputs["0"]
 
 
 @needs_two
