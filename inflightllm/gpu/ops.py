@@ -196,16 +196,12 @@ def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, share
 
 def _launch_small(function, grid, block, args, device: int, shared: int = 0) -> None:
     """A launch of a kernel that calls pdl_trigger and pdl_wait (the small-batch kernels and
-    add_rms_norm): by programmatic dependent launch where the GPU has it
-    (inflightllm/gpu/pdl.py), else CuPy's."""
+    add_rms_norm) on CuPy's current stream (torch_stream): pdl.launch_on."""
+    import cupy
+
     from inflightllm.gpu import pdl
 
-    if pdl.enabled(device):
-        import cupy
-
-        pdl.launch(function, grid, block, args, shared, cupy.cuda.get_current_stream().ptr)
-    else:
-        function(grid, block, args, shared_mem=shared)
+    pdl.launch_on(function, grid, block, args, shared, cupy.cuda.get_current_stream().ptr, device)
 
 
 _NOT_FUSED = (np.uintp(0), np.uintp(0), np.int64(0), np.int32(0), np.int32(0))

@@ -165,3 +165,23 @@ def launch(kernel, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
     if status != 0:
         name = getattr(kernel, "__name__", "kernel")
         raise RuntimeError(f"cuLaunchKernelEx ({name}, grid {tuple(grid)}, block {tuple(block)}) failed: {_error_name(status)}")
+
+
+@functools.cache
+def _plain_stream(stream_ptr: int, device: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(stream_ptr, device)
+
+
+def launch_on(kernel, grid, block, args, shared_mem: int, stream_ptr: int, device: int) -> None:
+    """Launch a kernel that calls pdl_trigger and pdl_wait on stream `stream_ptr` of GPU
+    `device`: by programmatic dependent launch where that GPU has it (`enabled`), else by
+    CuPy's plain launch (the two calls are no-ops then)."""
+    if enabled(device):
+        launch(kernel, grid, block, args, shared_mem, stream_ptr)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device), _plain_stream(stream_ptr, device):
+        kernel(tuple(grid), tuple(block), args, shared_mem=shared_mem)

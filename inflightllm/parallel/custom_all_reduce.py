@@ -164,23 +164,17 @@ class CustomAllReduce:
         )
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place, on the current stream (`handles` must hold)."""
-        import cupy
-
+        """Sum `tensor` over the ranks, in place, on torch's current stream of this rank's GPU
+        (`handles` must hold)."""
         from inflightllm.gpu import pdl
 
         index = self.device.index
-        function = _function(index, tensor.dtype)
         pointer = np.uintp(tensor.data_ptr())
         args = (pointer, pointer, np.uintp(self.bases.data_ptr()), np.uintp(self._abort_flag),
                 np.int32(self.rank), np.int32(self.world_size),
                 np.int64(tensor.numel() * tensor.element_size() // 16), np.int64(self.max_bytes))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if pdl.enabled(index):
-            pdl.launch(function, (GRID,), (THREADS,), args, 0, stream)
-        else:
-            with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
-                function((GRID,), (THREADS,), args)
+        pdl.launch_on(_function(index, tensor.dtype), (GRID,), (THREADS,), args, 0,
+                      torch.cuda.current_stream(self.device).cuda_stream, index)
         return tensor
 
     def fused_args(self, nbytes: int) -> tuple | None:
