@@ -276,27 +276,28 @@ __device__ __forceinline__ void normalize_chunk(uint4* xv, int c, const uint4& w
 }
 
 // ---- The all-reduce fused into the small-batch GEMVs (tensor parallel) -----------------------
-// Under tensor parallelism the o and down GEMVs give each rank a partial sum that the next
-// norm kernel needs summed over the ranks. Instead of an all-reduce kernel between them
-// (allreduce.cu), the GEMV writes its rows straight into every rank's buffer (CUDA IPC over
-// NVLink) and the next kernel sums them there, in rank order as that kernel does (the same
-// bits on every rank, and the same as the kernel's). No fence and no barrier: every 8-byte
-// word carries 4 bytes of the row and the call's epoch (an "LL" word, as NCCL's low-latency
-// protocol), stored at once, so a reader that sees the epoch sees the data with it.
-// - the producer (small_gemv with `fused`) reads the epoch count E of this rank (after its
-//   pdl_wait), writes its rows as words of epoch E + 1 into slot (E + 1) % 2 of every rank,
-//   in this rank's region; its grid's last block to arrive (a local counter) stores E + 1;
-// - the consumer (qkv_norm_rope, gate_up_norm_silu with `fused`, after its pdl_wait, so E
-//   is the producer's epoch) polls each word of every rank's region until it holds E.
-// A rank writes a slot again two calls later, after a consumer that every rank entered only
-// once it had finished the call before (as in allreduce.cu): nobody still reads it then.
+// Under tensor parallelism the o and down GEMVs give each rank a partial sum of the hidden
+// rows, which must be summed over the ranks before the next norm. Instead of an all-reduce
+// kernel after them (allreduce.cu), the GEMV does it (small_gemv with `fused`):
+// - every block stores its rows straight into every rank's buffer (CUDA IPC over NVLink), in
+//   this rank's region of slot (E + 1) % 2, E being this rank's count of calls so far (read
+//   after pdl_wait). Each 8-byte store is an "LL" word, as in NCCL's low-latency protocol:
+//   4 bytes of the row and the epoch E + 1, written at once, so a reader that sees the epoch
+//   sees the data with it. No fence, no flag barrier;
+// - the grid's last block to arrive (a local counter) polls every rank's words in its own
+//   memory until they hold the epoch, sums them in rank order into `out`, as allreduce.cu's
+//   kernel sums (the same bits on every rank, and the kernel's bits), and stores E + 1.
+// So the wait for the other GPUs is one block's, at the GEMV's end, and the next kernel reads
+// `out` as plain rows. A rank writes a slot again two calls later, once its call in between
+// has ended, which needed every rank's words of that call, which each rank writes only after
+// its own previous call (the one that reads the slot) has ended.
 // Each rank's buffer is the custom all-reduce's (parallel/custom_all_reduce.py): at
-// FUSED_HEADER the epoch count (uint64) and the arrival counter; the slots from `slots`:
-// [2][world][FUSED_SLOT_BYTES], FUSED_SLOT_BYTES of words for 2 * that many bytes of rows.
+// FUSED_HEADER the call count E (uint64) and the arrival counter (uint32); the slots from
+// `slots`: [2][world][FUSED_SLOT_BYTES], FUSED_SLOT_BYTES of words for half as many bytes of rows.
 #define FUSED_HEADER 768
 #define FUSED_SLOT_BYTES (256 * 1024)
 
-struct Fused {  // the kernels take it as five arguments (fused_bases, ...)
+struct Fused {  // small_gemv takes it as five arguments (fused_bases, ...)
     const unsigned long long* bases;  // [world] the ranks' buffers as this process maps them; null: not fused
     const volatile int* abort;        // set by the host: stop waiting for a rank that is gone
     long long slots;                  // offset of the slots in every buffer
@@ -316,18 +317,6 @@ __device__ __forceinline__ unsigned long long* fused_words(const Fused& f, int r
 __device__ __forceinline__ void st_word_sys(unsigned long long* address, unsigned int data, unsigned long long epoch) {
     const unsigned long long word = ((unsigned long long)(unsigned int)epoch << 32) | data;
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(word) : "memory");
-}
-
-// The producer's end (every thread of the block calls it): the grid's last block stores the
-// epoch count for the next kernels of this rank.
-__device__ __forceinline__ void fused_arrive(const Fused& f, unsigned long long epoch) {
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    unsigned long long* header = fused_header(f);
-    unsigned int* arrivals = reinterpret_cast<unsigned int*>(header + 1);
-    if (atomicAdd(arrivals, 1u) != gridDim.x - 1) return;
-    *arrivals = 0;
-    header[0] = epoch;
 }
 
 // 16 bytes of the ranks' rows (chunk `chunk` of the rows) summed in rank order (float), as
@@ -364,31 +353,20 @@ __device__ __forceinline__ uint4 fused_sum(const Fused& f, unsigned long long ep
 // with r = T(residual + delta) (delta may be null: r = residual). Block 0 writes r to
 // residual_out (a different buffer from residual_in: other blocks still read the input).
 // wpre: the thread's first norm weight chunks (prefetch_norm_weight).
-// With `fused` (bases not null) delta is instead the ranks' rows in the fused all-reduce's
-// slots, summed here (fused_sum).
 template <typename T, int M>
 __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ residual_in, const T* __restrict__ delta,
                                               T* __restrict__ residual_out, const T* __restrict__ weight,
-                                              const uint4 (&wpre)[NPRE], float eps, int count, int K, const Fused& fused) {
+                                              const uint4 (&wpre)[NPRE], float eps, int count, int K) {
     constexpr int VEC = 16 / sizeof(T);
     const int chunks = K / VEC;
-    const T* delta_rows = delta;
-    if (fused.bases != nullptr) {  // the ranks' rows summed into xs first; each thread reads back its own chunks
-        const unsigned long long epoch = fused_header(fused)[0];  // the producer's (it has completed)
-        for (int m = 0; m < count; ++m)
-#pragma unroll 1
-            for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-                reinterpret_cast<uint4*>(xs + (long)m * K)[c] = fused_sum<T>(fused, epoch, (long long)m * chunks + c);
-        delta_rows = xs;
-    }
     for (int m = 0; m < count; ++m) {
         const uint4* res = reinterpret_cast<const uint4*>(residual_in + (long)m * K);
-        const uint4* del = reinterpret_cast<const uint4*>(delta_rows + (long)m * K);
+        const uint4* del = reinterpret_cast<const uint4*>(delta + (long)m * K);
         uint4* xv = reinterpret_cast<uint4*>(xs + (long)m * K);
         float sum = 0.0f;
         for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
             uint4 rv = res[c];
-            if (delta_rows != nullptr) {
+            if (delta != nullptr) {
                 const uint4 dv = del[c];
                 T* rs = reinterpret_cast<T*>(&rv);
                 const T* ds = reinterpret_cast<const T*>(&dv);
@@ -423,10 +401,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
         const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
         const long* __restrict__ positions, const T* __restrict__ cos_sin,
         const long* __restrict__ slot_mapping, T* __restrict__ key_cache, T* __restrict__ value_cache,
-        int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps,
-        const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
-        int fused_rank, int fused_world) {
-    const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
+        int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* xs = reinterpret_cast<T*>(smem_raw);
     const int half = head_dim / 2;
@@ -459,7 +434,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     }
     pdl_trigger();
     pdl_wait();  // everything above is constant for the step; the residual and delta come from earlier kernels
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K, fused);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
     if (unit >= units) return;
     float acc[2][M];
 #pragma unroll
@@ -504,10 +479,7 @@ template <typename T, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
         T* __restrict__ act, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
         const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
-        int inter, int count, int K, float eps,
-        const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
-        int fused_rank, int fused_world) {
-    const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
+        int inter, int count, int K, float eps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* xs = reinterpret_cast<T*>(smem_raw);
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -518,7 +490,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     prefetch_norm_weight<T>(wpre, norm_weight, K);
     pdl_trigger();
     pdl_wait();
-    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K, fused);
+    norm_prologue<T, M>(xs, residual_in, delta, residual_out, norm_weight, wpre, eps, count, K);
     if (j >= inter) return;
     float acc[2][M];
 #pragma unroll
@@ -539,9 +511,9 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
 
 // out[m] = W @ x[m] + bias, one warp per pair of output rows (n, n + 1): half as many warps
 // as rows, so that the o and down GEMVs of an 8B model run in one wave of resident blocks;
-// x read from global memory (L1-cached). With `fused` (bases not null), the rows go to every
-// rank's fused all-reduce slot instead of `out` (N even; 2 * N * count * sizeof(T) bytes must
-// fit a slot), and the next kernel sums them.
+// x read from global memory (L1-cached). With `fused` (bases not null), `out` gets the rows
+// summed over the ranks ("The all-reduce fused into the small-batch GEMVs"; N even, and
+// 2 * N * count * sizeof(T) bytes must fit a slot).
 template <typename T, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
         T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K,
@@ -596,5 +568,19 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
             }
         }
     }
-    if (fused.bases != nullptr) fused_arrive(fused, epoch);
+    if (fused.bases == nullptr) return;
+    // The grid's last block to arrive sums every rank's rows into `out`.
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int* arrivals = reinterpret_cast<unsigned int*>(fused_header(fused) + 1);
+        last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+        if (last) *arrivals = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    const long long chunks = (long long)count * N * (long long)sizeof(T) / 16;
+    for (long long c = threadIdx.x; c < chunks; c += blockDim.x)
+        reinterpret_cast<uint4*>(out)[c] = fused_sum<T>(fused, epoch, c);
+    if (threadIdx.x == 0) fused_header(fused)[0] = epoch;
 }

@@ -295,11 +295,9 @@ class GpuLlama:
         row_bias = tp is None or tp.rank == 0
         spare = torch.empty_like(residual)
         delta = None  # the last o/down output, not yet added to the residual
-        # Under TP the o/down all-reduce is fused into the kernels where the ranks' buffers
-        # allow (TensorParallelGroup.fused_all_reduce): the GEMV writes its rows to every rank,
-        # the next norm kernel sums them, and `pending` says such a sum is owed to it.
+        # Under TP the o/down GEMVs all-reduce their rows themselves where the ranks' buffers
+        # allow (TensorParallelGroup.fused_all_reduce); else an all-reduce follows them.
         fused = tp.fused_all_reduce(residual.numel() * residual.element_size()) if tp is not None else None
-        pending = None
         # The qkv kernel writes K/V into the paged cache itself when the backend's cache is
         # the plain [blocks, block_size, kv_heads, head_dim] one of the CUDA backend.
         caches = getattr(attention, "key_cache", None), getattr(attention, "value_cache", None)
@@ -313,9 +311,9 @@ class GpuLlama:
             ops.qkv_norm_rope(
                 qkv, residual, delta, spare, layer["input_norm"], layer["qkv"], layer.get("qkv_bias"),
                 positions, self.cos_sin, heads, kv_heads, head_dim, eps,
-                *((slots, caches[0][index], caches[1][index]) if kv_in_kernel else ()), fused=pending,
+                *((slots, caches[0][index], caches[1][index]) if kv_in_kernel else ()),
             )
-            if delta is not None or pending is not None:
+            if delta is not None:
                 residual, spare = spare, residual
             attended = attention.forward(
                 index,
@@ -330,31 +328,21 @@ class GpuLlama:
                 attended.reshape(num_tokens, self.q_size).contiguous(), layer["o"],
                 layer.get("o_bias") if row_bias else None, fused=fused,
             )
-            delta, pending = self._reduced(delta, fused)
+            if tp is not None and fused is None:
+                tp.all_reduce(delta)
             activated = torch.empty(num_tokens, self.intermediate_size, dtype=self.dtype, device=self.device)
             ops.gate_up_norm_silu(
-                activated, residual, delta, spare, layer["post_norm"], layer["gate_up"], layer.get("gate_up_bias"), eps,
-                fused=pending,
+                activated, residual, delta, spare, layer["post_norm"], layer["gate_up"], layer.get("gate_up_bias"), eps
             )
             residual, spare = spare, residual
-            # the last down is all-reduced by itself: the final norm below is not a fused kernel
-            down_fused = fused if index + 1 < len(self.layers) else None
             delta = ops.small_gemv(
                 torch.empty(num_tokens, hidden_size, dtype=self.dtype, device=self.device), activated, layer["down"],
-                layer.get("down_bias") if row_bias else None, fused=down_fused,
+                layer.get("down_bias") if row_bias else None, fused=fused,
             )
-            delta, pending = self._reduced(delta, down_fused)
+            if tp is not None and fused is None:
+                tp.all_reduce(delta)
         ops.add_rms_norm(delta, residual, self.final_norm, eps)
         return delta
-
-    def _reduced(self, delta: torch.Tensor, fused) -> tuple[torch.Tensor | None, tuple | None]:
-        """(delta, pending) after a row-parallel small GEMV: all-reduced here under TP, or
-        (None, fused) when the GEMV wrote its rows for the next kernel to sum."""
-        if fused is not None:
-            return None, fused
-        if self.tp is not None:
-            self.tp.all_reduce(delta)
-        return delta, None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

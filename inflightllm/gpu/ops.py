@@ -208,7 +208,7 @@ _NOT_FUSED = (np.uintp(0), np.uintp(0), np.int64(0), np.int32(0), np.int32(0))
 
 
 def _fused(fused: tuple | None) -> tuple:
-    """The kernels' five fused_* arguments (TensorParallelGroup.fused_all_reduce), or nulls."""
+    """small_gemv's five fused_* arguments (TensorParallelGroup.fused_all_reduce), or nulls."""
     return _NOT_FUSED if fused is None else fused
 
 
@@ -233,13 +233,11 @@ def _check_rows(**tensors: torch.Tensor | None) -> None:
 
 def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bias, positions, cos_sin,
                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                  slot_mapping=None, key_cache=None, value_cache=None, fused=None) -> None:
+                  slot_mapping=None, key_cache=None, value_cache=None) -> None:
     """qkv [n, (heads + 2 kv_heads) * head_dim] = RoPE(weight @ rmsnorm(r) + bias) with
     r = residual_in + delta (delta None: r = residual_in), written to residual_out too. With
     slot_mapping (int64 [n], -1 = skip) the k and v rows are also written to the paged caches
-    [blocks, block_size, kv_heads, head_dim] (as the attention backend's reshape_and_cache).
-    With `fused` (TensorParallelGroup.fused_all_reduce) delta is instead the sum over the
-    ranks of the rows the last small_gemv with `fused` wrote (delta must be None)."""
+    [blocks, block_size, kv_heads, head_dim] (as the attention backend's reshape_and_cache)."""
     if slot_mapping is not None:
         if slot_mapping.dtype != torch.int64 or key_cache.dtype != qkv.dtype or value_cache.dtype != qkv.dtype:
             raise ValueError("small-batch kernel: slot_mapping must be int64 and the caches of the model's dtype")
@@ -258,15 +256,14 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
         (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
          _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
          _ptr_or_null(value_cache), np.int32(num_heads), np.int32(num_kv_heads),
-         np.int32(head_dim), np.int32(tokens), np.int32(hidden), np.float32(eps), *_fused(fused)),
+         np.int32(head_dim), np.int32(tokens), np.int32(hidden), np.float32(eps)),
         device, shared,
     )
 
 
-def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight, bias, eps: float,
-                      fused=None) -> None:
+def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight, bias, eps: float) -> None:
     """act [n, inter] = silu(gate) * up of weight [2 inter, hidden] @ rmsnorm(residual_in + delta),
-    the summed rows written to residual_out; `fused` as qkv_norm_rope's."""
+    the summed rows written to residual_out."""
     tokens, hidden = residual_in.shape
     inter = act.shape[1]
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
@@ -276,15 +273,15 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
         _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared),
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
-         _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps), *_fused(fused)),
+         _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
         device, shared,
     )
 
 
 def small_gemv(out, x, weight, bias, fused=None) -> torch.Tensor:
     """out [n, N] = x [n, K] @ weight[N, K].T + bias, for n <= MAX_SMALL_BATCH. With `fused`
-    (TensorParallelGroup.fused_all_reduce) the rows go to every rank's fused all-reduce slot
-    instead of `out`, for the next norm kernel with `fused` to sum."""
+    (TensorParallelGroup.fused_all_reduce), `out` = that summed over the ranks: the all-reduce
+    is done in the kernel (layers.cu, "The all-reduce fused into the small-batch GEMVs")."""
     tokens, width = x.shape
     rows = weight.shape[0]
     _check_rows(out=out, x=x, weight=weight)

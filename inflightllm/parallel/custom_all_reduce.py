@@ -13,11 +13,11 @@ GPUs that can all reach each other (peer access); NCCL does the rest. All ranks 
 together and agree: if one cannot, none uses it. `INFLIGHTLLM_CUSTOM_ALL_REDUCE=0` turns it
 off. `abort()` releases kernels that wait for a rank that died (the runner's failure path).
 
-The same buffers also carry the all-reduce fused into the small-batch kernels (gpu/layers.cu,
-"The all-reduce fused into the small-batch GEMVs"): the o and down GEMVs write their rows
-into every rank's buffer and the next norm kernel sums them, so no all-reduce kernel runs
-between them. `fused_args` gives those kernels the buffers; `INFLIGHTLLM_FUSED_ALL_REDUCE=0`
-keeps the all-reduce kernel instead.
+The same buffers also carry the all-reduce fused into the small-batch o and down GEMVs
+(gpu/layers.cu, "The all-reduce fused into the small-batch GEMVs"): each GEMV stores its rows
+into every rank's buffer, and its last block sums them, so no all-reduce kernel follows it.
+`fused_args` gives the GEMV the buffers; `INFLIGHTLLM_FUSED_ALL_REDUCE=0` keeps the
+all-reduce kernel instead.
 """
 
 from __future__ import annotations
@@ -178,9 +178,10 @@ class CustomAllReduce:
         return tensor
 
     def fused_args(self, nbytes: int) -> tuple | None:
-        """The small-batch kernels' `fused_*` arguments (bases, abort flag, offset of the
-        slots, rank, world size) for rows of `nbytes` per rank, or None where the fused
-        all-reduce does not take them (off, closed, or more than a slot)."""
+        """small_gemv's `fused_*` arguments (bases, abort flag, offset of the slots, rank,
+        world size) for rows of `nbytes` per rank, or None where the fused all-reduce does
+        not take them (off, closed, or more than a slot holds: its words take twice the
+        bytes)."""
         if not self.fused or self._closed or not 0 < 2 * nbytes <= FUSED_SLOT_BYTES or nbytes % 16:
             return None
         return (np.uintp(self.bases.data_ptr()), np.uintp(self._abort_flag), np.int64(HEADER_BYTES + 2 * self.max_bytes),

@@ -52,8 +52,8 @@ class TensorParallelGroup:
         return tensor
 
     def fused_all_reduce(self, nbytes: int) -> tuple | None:
-        """The arguments of the all-reduce fused into the small-batch kernels for rows of
-        `nbytes` (gpu/layers.cu), or None: all-reduce with `all_reduce` instead."""
+        """The arguments of the all-reduce fused into the small-batch GEMVs for rows of
+        `nbytes` (gpu/ops.small_gemv's `fused`), or None: all-reduce with `all_reduce` instead."""
         custom = self.custom
         return custom.fused_args(nbytes) if custom is not None else None
 
