@@ -55,21 +55,16 @@ def _cupy_device(device: int):
     return cupy.cuda.Device(device)
 
 
-@functools.cache
-def _external_stream(pointer: int, device_index: int):
-    import cupy
-
-    return cupy.cuda.ExternalStream(pointer, device_index)
-
-
 @contextlib.contextmanager
 def torch_stream():
     """Make torch's current CUDA stream CuPy's current stream (and device) too."""
     import cupy
 
+    from inflightllm.gpu import pdl
+
     stream = torch.cuda.current_stream()
     device = stream.device.index
-    with cupy.cuda.Device(device), _external_stream(stream.cuda_stream, device):
+    with cupy.cuda.Device(device), pdl.external_stream(stream.cuda_stream, device):
         yield
 
 

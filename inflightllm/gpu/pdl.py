@@ -168,7 +168,8 @@ def launch(kernel, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
 
 
 @functools.cache
-def _plain_stream(stream_ptr: int, device: int):
+def external_stream(stream_ptr: int, device: int):
+    """CuPy's handle of a CUDA stream made elsewhere (torch's), one per stream."""
     import cupy
 
     return cupy.cuda.ExternalStream(stream_ptr, device)
@@ -183,5 +184,5 @@ def launch_on(kernel, grid, block, args, shared_mem: int, stream_ptr: int, devic
         return
     import cupy
 
-    with cupy.cuda.Device(device), _plain_stream(stream_ptr, device):
+    with cupy.cuda.Device(device), external_stream(stream_ptr, device):
         kernel(tuple(grid), tuple(block), args, shared_mem=shared_mem)

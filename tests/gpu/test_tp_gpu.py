@@ -78,6 +78,8 @@ def test_fused_all_reduce_gives_the_bits_of_the_all_reduce_kernel(monkeypatch):
         monkeypatch.setenv("INFLIGHTLLM_FUSED_ALL_REDUCE", fused)  # read when the ranks set up
         engine = Engine(spec, config(2), sampler_seed=0)
         try:
+            # the fused path is taken exactly when asked (rows of 1 KiB: within a slot)
+            assert (engine.runner.dist.tp.fused_all_reduce(1024) is not None) == (fused == "1")
             llm = LLM(spec, engine=engine, load_tokenizer_too=False)
             outputs[fused] = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
         finally:
