@@ -14,6 +14,9 @@ Sections (all by default):
   the KV cache is when the first preemption is needed (blocks in use / blocks allocated).
 - `profile`: a torch profiler trace of decode steps at batch 1 and 256; the kernels
   that take the GPU time, as a table.
+- `throughput-profile` (with `throughput` and `--throughput-batch-sizes`): the throughput
+  workload once more under the torch profiler, per cap: GPU time by kind of kernel
+  (GEMMs, decode and prefill attention, norms, ...) and the GPU's busy time against wall time.
 
 Prints a table and writes JSON (`--out`). Usage (on the GPU host):
     python perf/bench_gpu.py --shape llama3-8b --dtype bfloat16 --out $OUT/bench_gpu.json
@@ -22,6 +25,7 @@ Prints a table and writes JSON (`--out`). Usage (on the GPU host):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -197,6 +201,68 @@ def profile_decode(engine: Engine, batch: int, steps: int = 10) -> list[dict]:
     return rows
 
 
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("attention decode", ("paged_decode", "decode_reduce")),
+    ("attention prefill", ("prefill_mma", "prefill_fma", "flash", "fmha", "gather_kv")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitK", "small_gemv", "gate_up_norm", "qkv_norm")),
+    ("KV cache write", ("reshape_and_cache",)),
+    ("norm", ("rms_norm",)),
+    ("RoPE", ("rotary",)),
+    ("SiLU", ("silu",)),
+    ("copies", ("Memcpy", "Memset", "copy", "fill", "index")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, parts in KERNEL_KINDS:
+        if any(part in name for part in parts):
+            return kind
+    return "other (sampling, elementwise)"
+
+
+def profile_run(generate, label: str) -> dict:
+    """GPU time by kind of kernel over one whole `generate()` call (torch profiler), and how
+    much of the wall time the GPU was busy with any kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate()
+        sync()
+    wall = time.perf_counter() - start
+    spans = []
+    kinds: dict[str, float] = {}
+    names: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        begin, end = event.time_range.start, event.time_range.end
+        spans.append((begin, end))
+        kind = kernel_kind(event.name)
+        kinds[kind] = kinds.get(kind, 0.0) + (end - begin) / 1e6
+        entry = names.setdefault(event.name[:90], [0.0, 0])
+        entry[0] += (end - begin) / 1e6
+        entry[1] += 1
+    spans.sort()
+    busy, reach = 0.0, float("-inf")
+    for begin, end in spans:  # the union of the kernels' intervals
+        if end > reach:
+            busy += end - max(begin, reach)
+            reach = end
+    busy /= 1e6
+    report = {"wall_s": round(wall, 3), "gpu_busy_s": round(busy, 3),
+              "kinds_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+              "top_kernels": [{"kernel": k, "s": round(v[0], 4), "calls": v[1]}
+                              for k, v in sorted(names.items(), key=lambda kv: -kv[1][0])[:20]]}
+    print(f"profile of {label}: wall {wall:.2f} s (profiler on), GPU busy {busy:.2f} s", flush=True)
+    for kind, seconds in report["kinds_s"].items():
+        print(f"  {seconds:8.3f} s  {seconds / max(busy, 1e-9):6.1%}  {kind}", flush=True)
+    for row in report["top_kernels"]:
+        print(f"  {row['s']:8.3f} s  x{row['calls']:6d}  {row['kernel']}", flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama3-8b")
@@ -305,6 +371,12 @@ def main() -> None:
             print(f"  host ms per step: {host_ms_per_step(capped.host_seconds)}", flush=True)
             print(f"engine-only {args.requests} x 128/128 at max_batch_size {cap}: {tokens / seconds:,.0f} "
                   f"output tokens/s ({seconds:.1f} s)", flush=True)
+            if "throughput-profile" in sections:
+                # other prompts: the timed run's are all in the prefix cache now
+                fresh = prompts_of(args.requests, 128, engine.vocab_size, seed=8)
+                report["throughput"][f"max_batch_size_{cap}_profile"] = profile_run(
+                    functools.partial(capped_llm.generate, fresh, params),
+                    f"1,024 x 128/128 at max_batch_size {cap}")
             del capped, capped_llm
             gc.collect()
     if "long" in sections:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from inflightllm.attention.base import SequenceSlice
-from inflightllm.attention.cuda import CudaAttentionMetadata, CudaPagedAttention
+from inflightllm.attention.cuda import CudaAttentionMetadata, CudaPagedAttention, ops
 from inflightllm.attention.torch_ref import TorchReferenceAttention
 
 pytestmark = pytest.mark.gpu
@@ -151,6 +151,15 @@ class Case:
         return worst
 
 
+def check_v4(case: Case, v2: torch.Tensor, label: str, impl: str | None = None) -> None:
+    """paged_decode_v4 (v2 with its loads pipelined through shared memory) within tolerance,
+    and with v2's bits: the scoring is the same code, only where the K/V slices come from differs."""
+    v2 = v2.clone()
+    v4 = case.run(impl, decode="v4")
+    case.check(v4, label + " decode v4")
+    assert torch.equal(v4, v2), f"{label}: decode v4 differs from v2 in {(v4 != v2).sum().item()} elements"
+
+
 MIXED = [
     (1, 1),
     (1, 17),
@@ -176,10 +185,12 @@ def test_mixed_batch(dtype, head_dim, block_size, group):
     label = f"mixed {str(dtype)[6:]} d={head_dim} bs={block_size} gqa={group}"
     if dtype == torch.float32:
         case.check(case.run(decode="v1"), label + " decode v1")
-        case.check(case.run(decode="v2"), label + " decode v2")
+        case.check(v2 := case.run(decode="v2"), label + " decode v2")
+        check_v4(case, v2, label)
     else:
         case.check(case.run("mma", decode="v1"), label + " mma, decode v1")
-        case.check(case.run("flash", decode="v2"), label + " flash, decode v2")
+        case.check(v2 := case.run("flash", decode="v2"), label + " flash, decode v2")
+        check_v4(case, v2, label + " flash,", "flash")
         if case.backend._flash_error:
             _report(f"{label}: FLASH FELL BACK TO MMA: {case.backend._flash_error}")
 
@@ -187,7 +198,8 @@ def test_mixed_batch(dtype, head_dim, block_size, group):
 def test_fp16():
     case = Case(MIXED, 8, 2, 128, 16, torch.float16, seed=3)
     case.check(case.run("mma", decode="v1"), "mixed fp16 d=128 gqa=4 mma, decode v1")
-    case.check(case.run("flash", decode="v2"), "mixed fp16 d=128 gqa=4 flash, decode v2")
+    case.check(v2 := case.run("flash", decode="v2"), "mixed fp16 d=128 gqa=4 flash, decode v2")
+    check_v4(case, v2, "mixed fp16 d=128 gqa=4 flash,", "flash")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -196,10 +208,12 @@ def test_sliding_window(dtype):
     case = Case(specs, 8, 2, 128, 16, dtype, window=256, seed=11)
     if dtype == torch.float32:
         case.check(case.run(decode="v1"), "window=256 fp32 decode v1")
-        case.check(case.run(decode="v2"), "window=256 fp32 decode v2")
+        case.check(v2 := case.run(decode="v2"), "window=256 fp32 decode v2")
+        check_v4(case, v2, "window=256 fp32")
     else:
         case.check(case.run("mma", decode="v1"), "window=256 bf16 mma, decode v1")
-        case.check(case.run("flash", decode="v2"), "window=256 bf16 flash, decode v2")
+        case.check(v2 := case.run("flash", decode="v2"), "window=256 bf16 flash, decode v2")
+        check_v4(case, v2, "window=256 bf16 flash,", "flash")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -208,10 +222,12 @@ def test_long_context(dtype):
     case = Case(specs, 8, 2, 128, 32, dtype, seed=5, max_model_len=32768)
     if dtype == torch.float32:
         case.check(case.run(decode="v1"), "32k fp32 decode v1")
-        case.check(case.run(decode="v2"), "32k fp32 decode v2")
+        case.check(v2 := case.run(decode="v2"), "32k fp32 decode v2")
+        check_v4(case, v2, "32k fp32")
     else:
         case.check(case.run("mma", decode="v1"), "32k bf16 mma, decode v1")
-        case.check(case.run("flash", decode="v2"), "32k bf16 flash, decode v2")
+        case.check(v2 := case.run("flash", decode="v2"), "32k bf16 flash, decode v2")
+        check_v4(case, v2, "32k bf16 flash,", "flash")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -223,6 +239,7 @@ def test_many_decodes_unsplit(dtype):
     assert case.backend.decode_splits(300) == 1
     for decode in ("v1", "v2"):
         case.check(case.run(decode=decode), f"300 decodes unsplit {str(dtype)[6:]} decode {decode}")
+    check_v4(case, case.run(decode="v2"), f"300 decodes unsplit {str(dtype)[6:]}")
 
 
 @pytest.mark.parametrize("min_split", [64, 128, 512])
@@ -232,7 +249,8 @@ def test_decode_min_split_tokens(min_split):
     specs = [(1, n) for n in (1, 31, 32, 33, 150, 511, 513, 1000, 4097, 9000)]
     case = Case(specs, 32, 8, 128, 16, torch.bfloat16, seed=21, max_model_len=16384)
     case.backend.decode_min_split = min_split
-    case.check(case.run("flash", decode="v2"), f"min split {min_split} bf16 decode v2")
+    case.check(v2 := case.run("flash", decode="v2"), f"min split {min_split} bf16 decode v2")
+    check_v4(case, v2, f"min split {min_split} bf16 flash,", "flash")
 
 
 def test_prefill_8b_shape():
@@ -278,7 +296,7 @@ def test_padding_and_unaligned_inputs():
     expected = ref.forward(
         0, q[:2].double(), k[:2].double(), v[:2].double(), ref_metadata(ref, seqs)
     )
-    for decode in ("v1", "v2"):
+    for decode in ("v1", "v2", "v4"):
         backend.decode_impl = decode
         out = torch.full((3, h, d), float("nan"), dtype=torch.bfloat16, device=DEV)
         backend.forward(0, q, k, v, pad, out=out)
@@ -291,6 +309,29 @@ def test_padding_and_unaligned_inputs():
         )
         assert sorted(changed.tolist()) == sorted(md.slot_mapping.tolist())
         _report(f"padding + unaligned bf16, decode {decode}: rel err {rel:.2e}")
+
+
+@pytest.mark.parametrize("maxg", ops.DECODE_MAXG)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_v4_keeps_the_blocks_per_sm(dtype, maxg):
+    """paged_decode_v4's ring (dynamic shared memory) leaves as many resident blocks per SM as
+    its launch bounds promise, which decode_splits counts on (ops.decode_blocks_per_sm)."""
+    import ctypes
+
+    from inflightllm.gpu import pdl
+
+    smem = ops.decode_dynamic_smem("v4", maxg)
+    for head_dim in ops.HEAD_DIMS:
+        mod = ops.dtype_module(dtype, head_dim, torch.cuda.current_device())
+        fn = mod.get(ops.decode_kernel_name("v4", ops.CTYPE[dtype], head_dim, maxg), smem)
+        blocks = ctypes.c_int()
+        status = pdl._driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), ctypes.c_void_p(fn.kernel.ptr), ctypes.c_int(ops.DECODE_THREADS),
+            ctypes.c_size_t(smem))
+        assert status == 0, status
+        _report(f"decode v4 {str(dtype)[6:]} d={head_dim} maxg={maxg} stages={ops.decode_stages()}: "
+                f"{smem} B dynamic shared memory, {blocks.value} blocks per SM")
+        assert blocks.value >= ops.decode_blocks_per_sm(maxg)
 
 
 def _random_tables(specs, block_size, num_blocks, seed):
@@ -306,7 +347,7 @@ def _random_tables(specs, block_size, num_blocks, seed):
     return seqs
 
 
-@pytest.mark.parametrize("decode", ["v1", "v2"])
+@pytest.mark.parametrize("decode", ["v1", "v2", "v4"])
 def test_cuda_graph_decode(decode):
     """Capture one decode step, then change contexts, block tables and inputs in the static
     buffers and replay: the result must match the reference on the new data."""
@@ -409,7 +450,7 @@ def test_timings(capsys):
     default_min_split = backend.decode_min_split
     cases = list(itertools.product(
         [(1, 32768), (32, 2048), (256, 2048), (256, 192), (1024, 192), (64, 8192), (1, 2048), (1, 160)],
-        ("v1", "v2"),
+        ("v1", "v2", "v4"),
     ))
     # v2's fewest tokens per split, swept where it matters (short contexts, few sequences)
     cases += [((batch, ctx), f"v2 min split {m}") for batch, ctx in [(1, 160), (1, 600), (8, 300), (32, 192)]

@@ -2,7 +2,8 @@
 
 - reshape_and_cache writes the step's new K/V into the cache (slot -1 = padding, skipped);
 - decodes (the first `num_decodes` sequences, one token each) run flash-decoding
-  (`paged_decode_v2`, split over the context, then `decode_reduce` when split);
+  (`paged_decode_v2`, split over the context, then `decode_reduce` when split; unsplit, at
+  large batches, `paged_decode_v4`, the same with its loads pipelined);
 - prefills / chunks run either `prefill_mma` (tensor cores, reads K/V through the block
   table) or gather + torch's flash varlen op (fp16/bf16), or `prefill_fma` (fp32).
 
@@ -29,16 +30,20 @@ log = logging.getLogger(__name__)
 # docs/CUDA-KERNELS.md for the measurements behind the choice. fp32 always uses "fma".
 PREFILL_DEFAULT = "flash"
 # Which flash-decoding kernel forward uses ("v1": shared-memory logits per 256-token chunk;
-# "v2": register online softmax, K and V loads together, no barriers in the token loop).
-# INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks and debugging).
-DECODE_DEFAULT = "v2"
+# "v2": register online softmax, K and V loads together, no barriers in the token loop;
+# "v4": v2 with its loads pipelined through shared memory by cp.async, the same bits;
+# "auto": v4 where the context is not split (a large batch: each block walks a whole context),
+# else v2, whose blocks then walk a tile or a few and which needs no large shared-memory carve-out
+# next to the small-batch kernels). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
+DECODE_DEFAULT = "auto"
+DECODE_IMPLS = (*ops.DECODE_KERNELS, "auto")
 
 
 def default_decode_impl() -> str:
     impl = os.environ.get("INFLIGHTLLM_DECODE_IMPL", "").strip() or DECODE_DEFAULT
-    if impl not in ops.DECODE_KERNELS:
+    if impl not in DECODE_IMPLS:
         raise ValueError(
-            f"INFLIGHTLLM_DECODE_IMPL={impl!r} is not a decode kernel; allowed: {', '.join(ops.DECODE_KERNELS)}"
+            f"INFLIGHTLLM_DECODE_IMPL={impl!r} is not a decode kernel; allowed: {', '.join(DECODE_IMPLS)}"
         )
     return impl
 
@@ -113,8 +118,8 @@ class CudaPagedAttention(AttentionBackend):
         self.sliding_window = sliding_window or None
         self.max_model_len = max_model_len
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
-        self.decode_impl = default_decode_impl()  # "v1" | "v2" (ops.DECODE_KERNELS)
-        self.decode_min_split = default_decode_min_split()  # v2: the fewest tokens per split
+        self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
+        self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
@@ -264,6 +269,10 @@ class CudaPagedAttention(AttentionBackend):
         window = self.sliding_window or 0
         nd = metadata.num_decodes
         if nd > 0:
+            splits = self.decode_splits(nd)
+            impl = self.decode_impl
+            if impl == "auto":
+                impl = "v4" if splits == 1 else "v2"
             ops.paged_decode(
                 query,
                 key_cache,
@@ -272,7 +281,7 @@ class CudaPagedAttention(AttentionBackend):
                 metadata.context_lens,
                 out,
                 nd,
-                self.decode_splits(nd),
+                splits,
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
@@ -280,7 +289,7 @@ class CudaPagedAttention(AttentionBackend):
                 window,
                 self.scale,
                 stream,
-                self.decode_impl,
+                impl,
                 self.decode_min_split,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:

@@ -7,8 +7,10 @@
 // Kernels:
 //   reshape_and_cache<VT>          new K/V rows -> cache slots (VT = uint4 for 16-byte copies)
 //   gather_kv                      paged K/V of the prefill sequences -> packed rows (flash path)
-//   paged_decode_v2<T, D, MAXG>    flash-decoding (default): one block per (kv head, head group, seq,
-//                                  split), register online softmax, no barriers in the token loop
+//   paged_decode_v2<T, D, MAXG>    flash-decoding: one block per (kv head, head group, seq, split),
+//                                  register online softmax, no barriers in the token loop
+//   paged_decode_v4<T, D, MAXG, S> version 2 with its K/V loads pipelined S - 1 tiles ahead by
+//                                  cp.async into shared memory (the default)
 //   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
 //   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
 //   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
@@ -489,29 +491,98 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
 // 16-byte loads in flight per thread), scores are reduced inside the group by shuffles, and the
 // group keeps its own running max / sum / output (online softmax, rescaled once per U tokens).
 // The groups are merged at the end (shuffles inside a warp, shared memory across warps).
+//
+// Version 4 (paged_decode_v4<..., STAGES>) is version 2 with its loads pipelined: a thread's
+// 2U slices of a tile (KPI * U tokens) go by cp.async into the thread's own slots of a ring of
+// STAGES tiles in dynamic shared memory, STAGES - 1 tiles ahead of the one it scores. In
+// version 2 a block has one tile of loads in flight and none while it scores, so a block that
+// walks many tokens (a long split, or an unsplit context at a large batch) waits for memory
+// once per tile. Every thread reads back only what it copied itself, so the ring needs no
+// barrier; the scoring is the same code (decode_tile), so v4's output has v2's bits.
 #define DEC2_CHUNK 1024  // tokens per refresh of the block-table slice in shared memory
 
-template <typename T, int D, int MAXG>
-__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4))
-paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
-                const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-                const int* __restrict__ block_tables, int bt_stride,
-                const int* __restrict__ context_lens,
-                T* __restrict__ out,
-                float* __restrict__ part_out, float* __restrict__ part_m, float* __restrict__ part_l,
-                int num_heads, int num_kv_heads, int group, int groups_per_kv,
-                int bs_shift, int window, float scale_log2, int min_split) {
-    pdl_trigger();
-    pdl_wait();
+// The copy of a 16-byte slice into shared memory; src_bytes 0 writes zeros (a tile's tail).
+__device__ __forceinline__ void cp_async16_zfill(u32 smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void dec_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void dec_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// One tile of a key group: the U tokens t0 + u * KPI (K slices kv[u], V slices vv[u]; zeros past
+// cn) scored against the group's queries and folded into its running max m, sum l and output acc.
+template <typename T, int D, int MAXG, int U, int VEC, int TPK, int KPI>
+__device__ __forceinline__ void decode_tile(const uint4 (&kv)[U], const uint4 (&vv)[U], int t0, int cn,
+                                            const float (&qr)[MAXG][VEC], float (&m)[MAXG], float (&l)[MAXG],
+                                            float (&acc)[MAXG][VEC]) {
+    float s[U][MAXG];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const bool valid = t0 + u * KPI < cn;
+        float kf[VEC];
+        unpack16<T>(kv[u], kf);
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            float x = 0.f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) x = fmaf(qr[g][i], kf[i], x);
+#pragma unroll
+            for (int o = TPK / 2; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+            s[u][g] = valid ? x : neg_inf();
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        float mx = s[0][g];
+#pragma unroll
+        for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+        const float m_new = fmaxf(m[g], mx);
+        const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+        const float corr = exp2f(m[g] - m_use);
+        m[g] = m_new;
+        float lsum = l[g] * corr;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            s[u][g] = exp2f(s[u][g] - m_use);
+            lsum += s[u][g];
+        }
+        l[g] = lsum;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] *= corr;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float vf[VEC];
+        unpack16<T>(vv[u], vf);
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+    }
+}
+
+__device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
+
+// The body of versions 2 (STAGES == 0: loads into registers) and 4 (STAGES >= 2: the ring
+// `ring`, which also holds s_red / s_ml once the tokens are done).
+template <typename T, int D, int MAXG, int STAGES>
+__device__ __forceinline__ void paged_decode_body(
+    const T* __restrict__ q, i64 q_stok, i64 q_shead, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const int* __restrict__ block_tables, int bt_stride,
+    const int* __restrict__ context_lens, T* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_m, float* __restrict__ part_l, int num_heads, int num_kv_heads, int group,
+    int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split, float* s_red, float* s_ml,
+    uint4* ring) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr int TPK = D / VEC;
     constexpr int KPI = DEC_THREADS / TPK;
-    constexpr int U = (MAXG >= 8) ? 2 : 4;
+    constexpr int U = decode_u(MAXG);
+    constexpr int TILE = KPI * U;
     static_assert(TPK <= 32 && (32 % TPK) == 0, "head_dim / dtype");
+    static_assert(STAGES == 0 || STAGES >= 2, "a ring of at least two tiles");
 
     __shared__ int s_bt[DEC2_CHUNK + 1];
-    __shared__ float s_red[DEC_WARPS * MAXG * D];
-    __shared__ float s_ml[DEC_WARPS * MAXG * 2];
 
     const int kvh = blockIdx.x / groups_per_kv;
     const int hg = blockIdx.x - kvh * groups_per_kv;
@@ -576,64 +647,62 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
         for (int i = tid; i < nb; i += DEC_THREADS) s_bt[i] = bt[b0 + i];
         __syncthreads();
 
-        for (int tb = 0; tb < cn; tb += KPI * U) {
-            uint4 kv[U], vv[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int tt = tb + u * KPI + kg;
-                if (tt < cn) {
-                    const int pos = c0 + tt;
-                    const i64 off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
-                    kv[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
-                    vv[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
-                } else {
-                    kv[u] = make_uint4(0u, 0u, 0u, 0u);
-                    vv[u] = make_uint4(0u, 0u, 0u, 0u);
-                }
-            }
-            float s[U][MAXG];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const bool valid = tb + u * KPI + kg < cn;
-                float kf[VEC];
-                unpack16<T>(kv[u], kf);
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    float x = 0.f;
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) x = fmaf(qr[g][i], kf[i], x);
-#pragma unroll
-                    for (int o = TPK / 2; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
-                    s[u][g] = valid ? x : neg_inf();
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                float mx = s[0][g];
-#pragma unroll
-                for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
-                const float m_new = fmaxf(m[g], mx);
-                const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
-                const float corr = exp2f(m[g] - m_use);
-                m[g] = m_new;
-                float lsum = l[g] * corr;
+        if constexpr (STAGES == 0) {
+            for (int tb = 0; tb < cn; tb += TILE) {
+                uint4 kv[U], vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    s[u][g] = exp2f(s[u][g] - m_use);
-                    lsum += s[u][g];
+                    const int tt = tb + u * KPI + kg;
+                    if (tt < cn) {
+                        const int pos = c0 + tt;
+                        const i64 off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
+                        kv[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
+                        vv[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+                    } else {
+                        kv[u] = make_uint4(0u, 0u, 0u, 0u);
+                        vv[u] = make_uint4(0u, 0u, 0u, 0u);
+                    }
                 }
-                l[g] = lsum;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[g][i] *= corr;
+                decode_tile<T, D, MAXG, U, VEC, TPK, KPI>(kv, vv, tb + kg, cn, qr, m, l, acc);
             }
+        } else {
+            // the thread's slot j (0..2U-1: K of tokens u, then V) of stage st: ring[(st * 2U + j) * DEC_THREADS + tid]
+            const u32 my = (u32)__cvta_generic_to_shared(ring + tid);
+            const int ntiles = (cn + TILE - 1) / TILE;
+            auto issue = [&](int t) {
+                const u32 base = my + (u32)((t % STAGES) * 2 * U * DEC_THREADS * 16);
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float vf[VEC];
-                unpack16<T>(vv[u], vf);
+                for (int u = 0; u < U; ++u) {
+                    const int tt = t * TILE + u * KPI + kg;
+                    i64 off = 0;
+                    int bytes = 0;
+                    if (tt < cn) {
+                        const int pos = c0 + tt;
+                        off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
+                        bytes = 16;
+                    }
+                    cp_async16_zfill(base + (u32)(u * DEC_THREADS * 16), kbase + off, bytes);
+                    cp_async16_zfill(base + (u32)((U + u) * DEC_THREADS * 16), vbase + off, bytes);
+                }
+            };
 #pragma unroll
-                for (int g = 0; g < MAXG; ++g)
+            for (int t = 0; t < STAGES - 1; ++t) {
+                if (t < ntiles) issue(t);
+                dec_cp_async_commit();
+            }
+            for (int t = 0; t < ntiles; ++t) {
+                // the stage of tile t + STAGES - 1 is the one this thread scored last round
+                if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1);
+                dec_cp_async_commit();
+                dec_cp_async_wait<STAGES - 1>();  // tile t has landed
+                const uint4* slot = ring + (t % STAGES) * 2 * U * DEC_THREADS + tid;
+                uint4 kv[U], vv[U];
 #pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+                for (int u = 0; u < U; ++u) {
+                    kv[u] = slot[u * DEC_THREADS];
+                    vv[u] = slot[(U + u) * DEC_THREADS];
+                }
+                decode_tile<T, D, MAXG, U, VEC, TPK, KPI>(kv, vv, t * TILE + kg, cn, qr, m, l, acc);
             }
         }
     }
@@ -659,6 +728,7 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
         m[g] = M;
         l[g] = lw;
     }
+    if constexpr (STAGES != 0) __syncthreads();  // s_red / s_ml overlay the ring other threads read
     if (lane < TPK) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g)
@@ -698,6 +768,35 @@ paged_decode_v2(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             }
         }
     }
+}
+
+#define PAGED_DECODE_PARAMS                                                                                  \
+    const T *__restrict__ q, i64 q_stok, i64 q_shead, const T *__restrict__ key_cache,                      \
+        const T *__restrict__ value_cache, const int *__restrict__ block_tables, int bt_stride,             \
+        const int *__restrict__ context_lens, T *__restrict__ out, float *__restrict__ part_out,            \
+        float *__restrict__ part_m, float *__restrict__ part_l, int num_heads, int num_kv_heads, int group, \
+        int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split
+#define PAGED_DECODE_ARGS                                                                                   \
+    q, q_stok, q_shead, key_cache, value_cache, block_tables, bt_stride, context_lens, out, part_out, part_m, \
+        part_l, num_heads, num_kv_heads, group, groups_per_kv, bs_shift, window, scale_log2, min_split
+
+template <typename T, int D, int MAXG>
+__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v2(PAGED_DECODE_PARAMS) {
+    pdl_trigger();
+    pdl_wait();
+    __shared__ float s_red[DEC_WARPS * MAXG * D];
+    __shared__ float s_ml[DEC_WARPS * MAXG * 2];
+    paged_decode_body<T, D, MAXG, 0>(PAGED_DECODE_ARGS, s_red, s_ml, nullptr);
+}
+
+// Dynamic shared memory: max(the ring, s_red + s_ml) bytes (ops.decode_v4_smem_bytes).
+template <typename T, int D, int MAXG, int STAGES>
+__global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v4(PAGED_DECODE_PARAMS) {
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ uint4 dec_ring[];
+    float* s_red = reinterpret_cast<float*>(dec_ring);
+    paged_decode_body<T, D, MAXG, STAGES>(PAGED_DECODE_ARGS, s_red, s_red + DEC_WARPS * MAXG * D, dec_ring);
 }
 
 // ---------------------------------------------------------------------------------------------

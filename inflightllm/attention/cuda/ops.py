@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,11 @@ DECODE_MAXG = (
     8,
 )  # query heads per decode block (a GQA group is split into chunks of these)
 HEAD_DIMS = (64, 128)
-DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2"}  # see docs/CUDA-KERNELS.md
-DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce"}
+DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2", "v4": "paged_decode_v4"}  # docs/CUDA-KERNELS.md
+DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce", "v4": "decode_reduce"}
+# paged_decode_v4: tiles in its shared-memory ring (loads in flight: STAGES - 1 tiles ahead of
+# the one scored). INFLIGHTLLM_DECODE_STAGES overrides it (benchmarks): 2, 3 or 4.
+DECODE_STAGES = 3
 MAX_SPLITS = 1024  # RED_MAXZ in kernels.cu
 # paged_decode_v2: the fewest tokens a split of a decode's context takes (a multiple of 32).
 # INFLIGHTLLM_DECODE_MIN_SPLIT overrides it (benchmarks). See docs/CUDA-KERNELS.md.
@@ -36,6 +40,34 @@ DECODE_THREADS = 128
 PREFILL_MMA_M = 64
 PREFILL_FMA_M = 16
 _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+
+
+@functools.cache
+def decode_stages() -> int:
+    text = os.environ.get("INFLIGHTLLM_DECODE_STAGES", "").strip()
+    if not text:
+        return DECODE_STAGES
+    if text not in ("2", "3", "4"):
+        raise ValueError(f"INFLIGHTLLM_DECODE_STAGES={text!r}: 2, 3 or 4 (tiles in paged_decode_v4's ring)")
+    return int(text)
+
+
+def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int) -> str:
+    if variant == "v4":
+        return f"paged_decode_v4<{ctype},{head_dim},{maxg},{decode_stages()}>"
+    return f"{DECODE_KERNELS[variant]}<{ctype},{head_dim},{maxg}>"
+
+
+def decode_dynamic_smem(variant: str, maxg: int) -> int:
+    """paged_decode_v4's dynamic shared memory: its ring of tiles (every thread's 2U 16-byte
+    K/V slices per tile, U = decode_u in kernels.cu), or the warps' merge buffers (s_red and
+    s_ml) that overlay it afterwards, whichever is larger. The other kernels take none."""
+    if variant != "v4":
+        return 0
+    u = 2 if maxg >= 8 else 4
+    ring = decode_stages() * 2 * u * DECODE_THREADS * 16
+    merge = (DECODE_THREADS // 32) * maxg * (max(HEAD_DIMS) + 2) * 4
+    return max(ring, merge)
 
 
 @functools.cache
@@ -62,12 +94,20 @@ class _Functions:
         self._cache: dict[str, object] = {}
 
     def __getitem__(self, name: str):
+        return self.get(name)
+
+    def get(self, name: str, dynamic_smem: int = 0):
+        """The kernel `name`; one that launches with dynamic shared memory gets the attribute
+        that allows `dynamic_smem` bytes of it (needed above 48 KiB in all), once."""
         fn = self._cache.get(name)
         if fn is None:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                fn = self._cache[name] = self.module.get_function(name)
+                fn = self.module.get_function(name)
+                if dynamic_smem:  # static + dynamic above 48 KiB needs the opt-in
+                    fn.max_dynamic_shared_size_bytes = dynamic_smem
+            self._cache[name] = fn
         return fn
 
 
@@ -95,7 +135,7 @@ def dtype_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functio
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim} (supported: {HEAD_DIMS})")
     t = CTYPE[dtype]
-    names = [f"{k}<{t},{head_dim},{g}>" for k in DECODE_KERNELS.values() for g in DECODE_MAXG]
+    names = [decode_kernel_name(variant, t, head_dim, g) for variant in DECODE_KERNELS for g in DECODE_MAXG]
     names += [f"{k}<{t},{head_dim}>" for k in DECODE_REDUCE_KERNELS.values()]
     names.append(f"prefill_fma<{t},{head_dim}>")
     if dtype != torch.float32:
@@ -126,7 +166,7 @@ def _external_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = None) -> None:
+def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = None, shared_mem: int = 0) -> None:
     """Launch on `stream`; with `pdl_device` (the decode kernels, which call pdl_trigger and
     pdl_wait), by programmatic dependent launch where that GPU has it (inflightllm/gpu/pdl.py)."""
     grid = tuple(int(x) for x in grid)
@@ -134,9 +174,9 @@ def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = 
     if pdl_device is not None:
         from inflightllm.gpu import pdl
 
-        if pdl.enabled(pdl_device):
-            pdl.launch(fn, grid, (int(block),), args, 0, stream.ptr)
-            return
+        pdl.launch_on(fn, grid, (int(block),), args, shared_mem, stream.ptr, pdl_device)
+        return
+    assert shared_mem == 0
     if _STREAM_KWARG[0]:
         try:
             fn(grid, (int(block),), args, stream=stream)
@@ -242,7 +282,8 @@ def paged_decode(
     maxg, per_kv = decode_group_split(group)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
-    fn = mod[f"{DECODE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim},{maxg}>"]
+    smem = decode_dynamic_smem(variant, maxg)
+    fn = mod.get(decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
@@ -274,14 +315,14 @@ def paged_decode(
         _i32(window or 0),
         np.float32(scale * np.log2(np.e)),
     )
-    if variant == "v2":
+    if variant != "v1":
         args += (_i32(min_split),)
     device = query.device.index
-    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device)
+    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
-        if variant == "v2":
+        if variant != "v1":
             args += (_p(context_lens), _i32(window or 0), _i32(min_split))
         _launch(red, (num_heads, num_decodes), head_dim, args, stream, device)
 
