@@ -80,6 +80,58 @@ __global__ void add_rms_norm(T* __restrict__ hidden_io, T* __restrict__ residual
     }
 }
 
+// add_rms_norm with 16-byte loads and stores: VEC = 16 / sizeof(T) elements a chunk, up to
+// ADD_NORM_NPT chunks a thread (held in registers), one block per token. The same rounding per
+// element; the sum of squares is added up in another order (each thread's chunks, then the block).
+#define ADD_NORM_NPT 4
+template <typename T>
+__global__ void add_rms_norm_vec(T* __restrict__ hidden_io, T* __restrict__ residual_io, const T* __restrict__ weight,
+                                 float eps, int hidden) {
+    constexpr int VEC = 16 / sizeof(T);
+    pdl_trigger();
+    pdl_wait();  // launched by PDL (ops.add_rms_norm): hidden and residual come from kernels before
+    const long row = blockIdx.x;
+    uint4* x = reinterpret_cast<uint4*>(hidden_io + row * hidden);
+    uint4* r = reinterpret_cast<uint4*>(residual_io + row * hidden);
+    const int chunks = hidden / VEC;
+    float v[ADD_NORM_NPT][VEC];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ADD_NORM_NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c >= chunks) break;
+        const uint4 rv = r[c], xv = x[c];
+        const T* rt = reinterpret_cast<const T*>(&rv);
+        const T* xt = reinterpret_cast<const T*>(&xv);
+        uint4 out;
+        T* ot = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            v[j][i] = round_t<T>(__fadd_rn(to_f<T>(rt[i]), to_f<T>(xt[i])));
+            ot[i] = from_f<T>(v[j][i]);
+            sum += v[j][i] * v[j][i];
+        }
+        r[c] = out;
+    }
+    const float inv = rsqrtf(block_sum(sum) / hidden + eps);
+    const uint4* w = reinterpret_cast<const uint4*>(weight);
+#pragma unroll
+    for (int j = 0; j < ADD_NORM_NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c >= chunks) break;
+        const uint4 wv = w[c];
+        const T* wt = reinterpret_cast<const T*>(&wv);
+        uint4 out;
+        T* ot = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            const float normed = round_t<T>(__fmul_rn(v[j][i], inv));
+            ot[i] = from_f<T>(__fmul_rn(to_f<T>(wt[i]), normed));
+        }
+        x[c] = out;
+    }
+}
+
 // Rotary embedding (rotate-half / NeoX layout) applied in place to q and k of each token.
 // q: [num_tokens, q_stride] with num_heads heads of head_dim at offset 0; k likewise at its
 // own base pointer (q and k may be views into one fused qkv row). cos_sin: [max_pos, head_dim]
@@ -108,6 +160,47 @@ __global__ void rotary(T* __restrict__ q, T* __restrict__ k, const long* __restr
         const float o2 = __fadd_rn(round_t<T>(__fmul_rn(x2, c)), round_t<T>(__fmul_rn(x1, s)));
         x[i] = from_f<T>(o1);
         x[i + half] = from_f<T>(o2);
+    }
+}
+
+// rotary with 16-byte loads and stores: a thread takes VEC = 16 / sizeof(T) consecutive
+// pairs (i, i + half) of one head, one block per token. The same arithmetic per element.
+// Needs half % VEC == 0 and 16-byte aligned rows (ops.rotary checks).
+template <typename T>
+__global__ void rotary_vec(T* __restrict__ q, T* __restrict__ k, const long* __restrict__ positions,
+                           const T* __restrict__ cos_sin, int num_heads, int num_kv_heads, int head_dim,
+                           long q_stride, long k_stride) {
+    constexpr int VEC = 16 / sizeof(T);
+    const long token = blockIdx.x;
+    const long pos = positions[token];
+    const int half = head_dim / 2;
+    const int per_head = half / VEC;
+    const T* cache = cos_sin + pos * head_dim;
+    const int items = (num_heads + num_kv_heads) * per_head;
+    for (int p = threadIdx.x; p < items; p += blockDim.x) {
+        const int head = p / per_head, i0 = (p - head * per_head) * VEC;
+        T* x = (head < num_heads) ? q + token * q_stride + (long)head * head_dim
+                                  : k + token * k_stride + (long)(head - num_heads) * head_dim;
+        const uint4 cv = *reinterpret_cast<const uint4*>(cache + i0);
+        const uint4 sv = *reinterpret_cast<const uint4*>(cache + half + i0);
+        const uint4 av = *reinterpret_cast<const uint4*>(x + i0);
+        const uint4 bv = *reinterpret_cast<const uint4*>(x + half + i0);
+        const T* ct = reinterpret_cast<const T*>(&cv);
+        const T* st = reinterpret_cast<const T*>(&sv);
+        const T* at = reinterpret_cast<const T*>(&av);
+        const T* bt = reinterpret_cast<const T*>(&bv);
+        uint4 o1v, o2v;
+        T* o1t = reinterpret_cast<T*>(&o1v);
+        T* o2t = reinterpret_cast<T*>(&o2v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            const float c = to_f<T>(ct[i]), s = to_f<T>(st[i]);
+            const float x1 = to_f<T>(at[i]), x2 = to_f<T>(bt[i]);
+            o1t[i] = from_f<T>(__fadd_rn(round_t<T>(__fmul_rn(x1, c)), round_t<T>(__fmul_rn(-x2, s))));
+            o2t[i] = from_f<T>(__fadd_rn(round_t<T>(__fmul_rn(x2, c)), round_t<T>(__fmul_rn(x1, s))));
+        }
+        *reinterpret_cast<uint4*>(x + i0) = o1v;
+        *reinterpret_cast<uint4*>(x + half + i0) = o2v;
     }
 }
 

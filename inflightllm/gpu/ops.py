@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "silu_and_mul_vec")
+KERNELS = ("rms_norm", "add_rms_norm", "add_rms_norm_vec", "rotary", "rotary_vec", "silu_and_mul", "silu_and_mul_vec")
+_ADD_NORM_NPT = 4  # ADD_NORM_NPT in layers.cu: 16-byte chunks a thread of add_rms_norm_vec holds
+
+
+@functools.cache
+def vector_kernels() -> bool:
+    """Whether add_rms_norm and rotary take their 16-byte kernels where the rows allow them
+    (INFLIGHTLLM_VECTOR_KERNELS=0 keeps the scalar ones, for comparisons)."""
+    return os.environ.get("INFLIGHTLLM_VECTOR_KERNELS", "1").strip() != "0"
+
+
 SOURCE = Path(__file__).with_name("layers.cu")
 
 
@@ -91,10 +102,25 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
-def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: residual += hidden; hidden = weight * rmsnorm(residual)."""
+def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 vector: bool | None = None) -> None:
+    """In place: residual += hidden; hidden = weight * rmsnorm(residual). 16-byte loads and
+    stores (add_rms_norm_vec) where the rows allow them, unless `vector` is False (None:
+    vector_kernels())."""
+    vector = vector_kernels() if vector is None else vector
     tokens, width = hidden.shape
-    if tokens:
+    vec = 16 // hidden.element_size()
+    chunks = width // vec
+    if tokens and vector and width % vec == 0 and chunks <= 1024 * _ADD_NORM_NPT and _aligned16(hidden, residual, weight):
+        device = hidden.device.index
+        threads = _threads(-(-chunks // 2))  # two chunks a thread (at most 1024 threads: up to four)
+        _launch_small(
+            _kernel("add_rms_norm_vec", hidden.dtype, device),
+            (tokens,), (threads,),
+            (_ptr(hidden), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
+            device,
+        )
+    elif tokens:
         device = hidden.device.index
         _launch_small(
             _kernel("add_rms_norm", hidden.dtype, device),
@@ -106,11 +132,26 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-           num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+           num_heads: int, num_kv_heads: int, head_dim: int, vector: bool | None = None) -> None:
     """In place RoPE on q [num_tokens, num_heads*head_dim] and k [num_tokens, num_kv_heads*head_dim]
-    (row-strided views allowed); positions int64 [num_tokens]; cos_sin [max_pos, head_dim]."""
+    (row-strided views allowed); positions int64 [num_tokens]; cos_sin [max_pos, head_dim].
+    16-byte loads and stores (rotary_vec) where the rows allow them, unless `vector` is False
+    (None: vector_kernels())."""
+    vector = vector_kernels() if vector is None else vector
     tokens = q.shape[0]
-    if tokens:
+    esz = q.element_size()
+    vec = 16 // esz
+    if (tokens and vector and (head_dim // 2) % vec == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, cos_sin))
+            and (q.stride(0) * esz) % 16 == 0 and (k.stride(0) * esz) % 16 == 0 and cos_sin.is_contiguous()):
+        items = (num_heads + num_kv_heads) * (head_dim // 2) // vec
+        _kernel("rotary_vec", q.dtype, q.device.index)(
+            (tokens,),
+            (_threads(min(items, 256)),),
+            (_ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin), np.int32(num_heads), np.int32(num_kv_heads),
+             np.int32(head_dim), np.int64(q.stride(0)), np.int64(k.stride(0))),
+        )
+    elif tokens:
         pairs = (num_heads + num_kv_heads) * head_dim // 2
         _kernel("rotary", q.dtype, q.device.index)(
             (tokens,),

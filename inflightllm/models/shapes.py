@@ -144,6 +144,13 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# One rank's share of llama3-8b under tensor parallelism of 2 (half the heads, the MLP width
+# and the vocabulary): the per-rank GEMV and attention work of a TP=2 step, measured on one GPU
+# without the all-reduces (perf/bench_gpu.py --shape llama3-8b-tp2-rank).
+SHAPES["llama3-8b-tp2-rank"] = dict(SHAPES["llama3-8b"], num_attention_heads=16, num_key_value_heads=4,
+                                    intermediate_size=7168, vocab_size=64128)
+
+
 def shape_config(name: str) -> dict:
     """A copy of the named shape's config dictionary; KeyError names the choices."""
     if name not in SHAPES:

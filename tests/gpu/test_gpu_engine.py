@@ -255,6 +255,13 @@ def test_fused_layer_kernels_match_torch(dtype):
         ops.add_rms_norm(h, r, norm.weight, 1e-5)
         torch.testing.assert_close(r, residual + x, rtol=0, atol=0)
         torch.testing.assert_close(h, norm(residual + x), rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2)
+        # The 16-byte kernel (taken above) against the scalar one: the same residual bits, the
+        # normed rows within one rounding (the sum of squares is added in another order).
+        h_scalar, r_scalar = x.clone(), residual.clone()
+        ops.add_rms_norm(h_scalar, r_scalar, norm.weight, 1e-5, vector=False)
+        assert torch.equal(r_scalar, r)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding step of the normed value
+        torch.testing.assert_close(h_scalar, h, rtol=tol, atol=tol)
         gate_up = torch.randn(tokens, 2 * 1536, device=device, dtype=dtype)
         act = ops.silu_and_mul(torch.empty(tokens, 1536, device=device, dtype=dtype), gate_up)
         expected = torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
@@ -281,8 +288,12 @@ def test_fused_layer_kernels_match_torch(dtype):
         k_ref = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim).clone()
         emb = torch.cat((freqs, freqs), -1)[positions]
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        qkv_scalar = qkv.clone()
         ops.rotary(qkv[:, : heads * head_dim], qkv[:, heads * head_dim :], positions, cos_sin, heads, kv_heads, head_dim)
+        ops.rotary(qkv_scalar[:, : heads * head_dim], qkv_scalar[:, heads * head_dim :], positions, cos_sin, heads,
+                   kv_heads, head_dim, vector=False)
         torch.cuda.synchronize()
+    assert torch.equal(qkv_scalar, qkv)  # the 16-byte kernel (rotary_vec) rounds as the scalar one
     torch.testing.assert_close(qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim), apply_rotary(q_ref, cos, sin))
     torch.testing.assert_close(
         qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
