@@ -394,7 +394,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         (
             [("model.shape", "llama9")],
             "model.shape: unknown model shape 'llama9'; known shapes: "
-            "llama3-70b, llama3-8b, smollm2-135m, tiny-llama3, tiny-mistral, tiny-qwen2",
+            "llama3-70b, llama3-8b, llama3-8b-tp2-rank, smollm2-135m, tiny-llama3, tiny-mistral, tiny-qwen2",
         ),
         ([("model.shape", "")], "model.shape: must not be empty"),
     ],
