@@ -72,10 +72,13 @@ def run_stream_requests(url: str, requests: list[dict], num_streams: int = 1, ti
     clients = []
     open_requests: list[set[int]] = [set() for _ in range(num_streams)]
     lock = threading.Lock()
+    stopping = threading.Event()  # set before the streams are cancelled below
     for stream_index in range(num_streams):
         client = grpcclient.InferenceServerClient(url)
 
         def callback(result=None, error=None, _stream=stream_index):
+            if error is not None and stopping.is_set():
+                return  # our own cancellation of the stream, after every answer (below)
             if error is not None:
                 # tritonclient drops the request id of an error response: attribute it to
                 # the stream's only open request (send error-prone requests one per stream).
@@ -120,6 +123,7 @@ def run_stream_requests(url: str, requests: list[dict], num_streams: int = 1, ti
         # Every request has its final response or error, or the wait timed out: cancel the
         # streams rather than wait for the server to close them (after a timeout, a request
         # still queued or running would hold its stream open until it ends).
+        stopping.set()
         for client in clients:
             client.stop_stream(cancel_requests=True)
             client.close()
