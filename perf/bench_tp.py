@@ -9,6 +9,9 @@ Sections (in this order, each result saved to --out as soon as it exists):
 - `decode`: the decode step at batch 1 (and `--batches`) of `--shape` in bf16, TP=1 on
   GPU 0 vs TP=2 on GPUs 0,1, CUDA graphs on: the time between tokens over consecutive
   steps, and the median of single steps drained before and after (bench_gpu.decode_step_ms).
+  Where the shape `<shape>-tp2-rank` exists (one TP=2 rank's weights and KV heads), also that
+  shape on GPU 0 alone (`tp2_rank_alone`): a rank's work without communication, so that
+  TP=2 minus it is what the all-reduces and the ranks' lockstep cost.
 - `profile`: with `decode`, a torch profiler trace of rank 0 over 20 decode steps at
   batch 1 (NCCL kernels on rank 0 include the time spent waiting for the peer), and rank
   0's host time per step (broadcast, launch, waiting for the result). Workers log theirs
@@ -171,12 +174,17 @@ def big_config(tp: int, gpu_ids, **overrides) -> EngineConfig:
 
 
 def section_decode_and_throughput(args, sections) -> None:
-    spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype="bfloat16")
+    from inflightllm.models.shapes import SHAPES
+
     batches = [int(b) for b in args.batches.split(",")]
     prompts = None
-    for tp in (1, 2):
-        if tp == 1 and "decode" not in sections:
+    runs = [(1, "tp1", args.shape), (2, "tp2", args.shape)]
+    if "decode" in sections and f"{args.shape}-tp2-rank" in SHAPES:
+        runs.append((1, "tp2_rank_alone", f"{args.shape}-tp2-rank"))
+    for tp, label, shape in runs:
+        if label == "tp1" and "decode" not in sections:
             continue
+        spec = ModelSpec(source="random", shape=shape, seed=0, dtype="bfloat16")
         start = time.monotonic()
         try:
             engine = Engine(spec, big_config(tp, range(tp)), sampler_seed=0)
@@ -185,19 +193,23 @@ def section_decode_and_throughput(args, sections) -> None:
             REPORT[f"tp{tp}_graphs_error"] = f"{type(error).__name__}: {error}"
             release()
             engine = Engine(spec, big_config(tp, range(tp), cuda_graphs=False), sampler_seed=0)
-        REPORT.setdefault("startup_s", {})[f"tp{tp}"] = round(time.monotonic() - start, 1)
-        REPORT.setdefault("cuda_graphs", {})[f"tp{tp}"] = engine.config.cuda_graphs
+        REPORT.setdefault("startup_s", {})[label] = round(time.monotonic() - start, 1)
+        REPORT.setdefault("cuda_graphs", {})[label] = engine.config.cuda_graphs
         if "decode" in sections:
             for batch in batches:
                 times = decode_step_ms(engine, batch)
                 ms = times["pipelined"]
-                REPORT.setdefault("decode_ms", {}).setdefault(f"batch{batch}", {})[f"tp{tp}"] = round(ms, 3)
-                REPORT.setdefault("decode_synced_ms", {}).setdefault(f"batch{batch}", {})[f"tp{tp}"] = round(
+                row = REPORT.setdefault("decode_ms", {}).setdefault(f"batch{batch}", {})
+                row[label] = round(ms, 3)
+                REPORT.setdefault("decode_synced_ms", {}).setdefault(f"batch{batch}", {})[label] = round(
                     times["synced"], 3)
-                print(f"{args.shape} bf16 decode step batch {batch} TP={tp}: {ms:.3f} ms between tokens, "
+                print(f"{shape} bf16 decode step batch {batch} TP={tp}: {ms:.3f} ms between tokens, "
                       f"{times['synced']:.3f} ms drained around each step", flush=True)
+                if label == "tp2_rank_alone" and "tp1" in row and "tp2" in row:
+                    print(f"  TP=2 minus one rank's work alone: {row['tp2'] - ms:.3f} ms a step (communication "
+                          f"and lockstep); the rank alone is {ms / row['tp1']:.3f}x TP=1", flush=True)
                 save(args.out)
-            if "profile" in sections:
+            if "profile" in sections and label != "tp2_rank_alone":
                 host = getattr(engine.runner, "host_seconds", None)
                 if host is not None:
                     reset_host_times(host)
