@@ -239,6 +239,15 @@ class CudaPagedAttention(AttentionBackend):
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
         return max(1, min(slots // base, cap))
 
+    def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
+        """(the decode kernel of ops.DECODE_KERNELS, its split count) for `num_decodes`
+        decodes: with "auto", v4 where the contexts are not split, else v2 (DECODE_DEFAULT)."""
+        splits = self.decode_splits(num_decodes)
+        impl = self.decode_impl
+        if impl == "auto":
+            impl = "v4" if splits == 1 else "v2"
+        return impl, splits
+
     def prefill_kind(self, dtype: torch.dtype) -> str:
         if dtype == torch.float32:
             return "fma"
@@ -269,10 +278,7 @@ class CudaPagedAttention(AttentionBackend):
         window = self.sliding_window or 0
         nd = metadata.num_decodes
         if nd > 0:
-            splits = self.decode_splits(nd)
-            impl = self.decode_impl
-            if impl == "auto":
-                impl = "v4" if splits == 1 else "v2"
+            impl, splits = self.decode_kernel(nd)
             ops.paged_decode(
                 query,
                 key_cache,
