@@ -102,6 +102,23 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
+def add_norm_vector_ok(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether add_rms_norm_vec takes these rows: contiguous, 16-byte aligned, whole 16-byte
+    chunks, at most ADD_NORM_NPT chunks a thread of 1,024."""
+    width = hidden.shape[-1]
+    vec = 16 // hidden.element_size()
+    return width % vec == 0 and width // vec <= 1024 * _ADD_NORM_NPT and _aligned16(hidden, residual, weight)
+
+
+def rotary_vector_ok(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether rotary_vec takes these rows: each half head a whole number of 16-byte chunks,
+    rows (and q, k, the table) starting on 16 bytes."""
+    esz = q.element_size()
+    return ((head_dim // 2) % (16 // esz) == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, cos_sin))
+            and (q.stride(0) * esz) % 16 == 0 and (k.stride(0) * esz) % 16 == 0 and cos_sin.is_contiguous())
+
+
 def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  vector: bool | None = None) -> None:
     """In place: residual += hidden; hidden = weight * rmsnorm(residual). 16-byte loads and
@@ -111,7 +128,7 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     tokens, width = hidden.shape
     vec = 16 // hidden.element_size()
     chunks = width // vec
-    if tokens and vector and width % vec == 0 and chunks <= 1024 * _ADD_NORM_NPT and _aligned16(hidden, residual, weight):
+    if tokens and vector and add_norm_vector_ok(hidden, residual, weight):
         device = hidden.device.index
         threads = _threads(-(-chunks // 2))  # two chunks a thread (at most 1024 threads: up to four)
         _launch_small(
@@ -139,12 +156,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
     (None: vector_kernels())."""
     vector = vector_kernels() if vector is None else vector
     tokens = q.shape[0]
-    esz = q.element_size()
-    vec = 16 // esz
-    if (tokens and vector and (head_dim // 2) % vec == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
-            and all(t.data_ptr() % 16 == 0 for t in (q, k, cos_sin))
-            and (q.stride(0) * esz) % 16 == 0 and (k.stride(0) * esz) % 16 == 0 and cos_sin.is_contiguous()):
-        items = (num_heads + num_kv_heads) * (head_dim // 2) // vec
+    if tokens and vector and rotary_vector_ok(q, k, cos_sin, head_dim):
+        items = (num_heads + num_kv_heads) * (head_dim // 2) // (16 // q.element_size())
         _kernel("rotary_vec", q.dtype, q.device.index)(
             (tokens,),
             (_threads(min(items, 256)),),

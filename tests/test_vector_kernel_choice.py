@@ -1,0 +1,46 @@
+"""Which rows the 16-byte add+RMSNorm and RoPE kernels take (gpu/ops.py): a 16-byte load of a
+misaligned row would fault on the GPU, so anything not aligned or not whole chunks must go
+to the scalar kernels. Checked on CPU tensors: only strides and addresses matter."""
+
+from __future__ import annotations
+
+import torch
+
+from inflightllm.gpu import ops
+
+
+def test_add_norm_takes_aligned_whole_chunk_rows_only():
+    hidden = torch.zeros(4, 4096, dtype=torch.bfloat16)
+    residual, weight = torch.zeros_like(hidden), torch.ones(4096, dtype=torch.bfloat16)
+    assert ops.add_norm_vector_ok(hidden, residual, weight)
+    assert ops.add_norm_vector_ok(hidden.float(), residual.float(), weight.float())
+    # SmolLM2's 576: 72 chunks of 8 bf16
+    assert ops.add_norm_vector_ok(hidden[:, :576].contiguous(), residual[:, :576].contiguous(), weight[:576])
+    odd = torch.zeros(4, 4100, dtype=torch.bfloat16)  # 4,100 is not whole 8-element chunks
+    assert not ops.add_norm_vector_ok(odd, torch.zeros_like(odd), torch.ones(4100, dtype=torch.bfloat16))
+    shifted = torch.zeros(4 * 4096 + 1, dtype=torch.bfloat16)[1:].view(4, 4096)  # 2 bytes off
+    assert not ops.add_norm_vector_ok(shifted, residual, weight)
+    assert not ops.add_norm_vector_ok(hidden, residual, torch.ones(4097, dtype=torch.bfloat16)[1:])
+    strided = torch.zeros(4, 8192, dtype=torch.bfloat16)[:, :4096]  # not contiguous
+    assert not ops.add_norm_vector_ok(strided, residual, weight)
+    too_wide = torch.zeros(1, 1024 * 4 * 8 + 8, dtype=torch.bfloat16)  # more than 4 chunks a thread
+    assert not ops.add_norm_vector_ok(too_wide, torch.zeros_like(too_wide), torch.ones(too_wide.shape[1], dtype=torch.bfloat16))
+
+
+def test_rotary_takes_aligned_views_of_the_fused_qkv_rows():
+    heads, kv_heads, head_dim = 32, 8, 128
+    qkv = torch.zeros(5, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim :]
+    cos_sin = torch.zeros(4096, head_dim, dtype=torch.bfloat16)
+    assert ops.rotary_vector_ok(q, k, cos_sin, head_dim)
+    # SmolLM2: 9 heads, 3 kv heads, head_dim 64 (rows of 960 bf16: 1,920 bytes)
+    small = torch.zeros(5, (9 + 6) * 64, dtype=torch.bfloat16)
+    assert ops.rotary_vector_ok(small[:, : 9 * 64], small[:, 9 * 64 :], cos_sin[:, :64].contiguous(), 64)
+    # a row stride that is not 16-byte aligned (1 extra element), a shifted base, a strided table
+    ragged = torch.zeros(5, (heads + 2 * kv_heads) * head_dim + 1, dtype=torch.bfloat16)
+    assert not ops.rotary_vector_ok(ragged[:, : heads * head_dim], ragged[:, heads * head_dim :], cos_sin, head_dim)
+    shifted = torch.zeros(5 * qkv.shape[1] + 1, dtype=torch.bfloat16)[1:].view(5, -1)
+    assert not ops.rotary_vector_ok(shifted[:, : heads * head_dim], shifted[:, heads * head_dim :], cos_sin, head_dim)
+    assert not ops.rotary_vector_ok(q, k, torch.zeros(4096, 2 * head_dim, dtype=torch.bfloat16)[:, :head_dim], head_dim)
+    # half a head that is not whole 16-byte chunks: head_dim 24 in bf16 (12 elements)
+    assert not ops.rotary_vector_ok(q, k, cos_sin, 24)
