@@ -10,7 +10,7 @@
 //   paged_decode_v2<T, D, MAXG>    flash-decoding: one block per (kv head, head group, seq, split),
 //                                  register online softmax, no barriers in the token loop
 //   paged_decode_v4<T, D, MAXG, S> version 2 with its K/V loads pipelined S - 1 tiles ahead by
-//                                  cp.async into shared memory (the default)
+//                                  cp.async into shared memory (the default where unsplit)
 //   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
 //   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
 //   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
@@ -501,18 +501,27 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
 // barrier; the scoring is the same code (decode_tile), so v4's output has v2's bits.
 #define DEC2_CHUNK 1024  // tokens per refresh of the block-table slice in shared memory
 
-// The copy of a 16-byte slice into shared memory; src_bytes 0 writes zeros (a tile's tail).
+// cp.async of 16 bytes into shared memory (paged_decode_v4, prefill_mma); with `src_bytes`,
+// only that many are read and the rest are zeros (0: a tile's tail).
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 __device__ __forceinline__ void cp_async16_zfill(u32 smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void dec_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void dec_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // One tile of a key group: the U tokens t0 + u * KPI (K slices kv[u], V slices vv[u]; zeros past
 // cn) scored against the group's queries and folded into its running max m, sum l and output acc.
-template <typename T, int D, int MAXG, int U, int VEC, int TPK, int KPI>
+template <typename T, int MAXG, int U, int VEC, int TPK, int KPI>
 __device__ __forceinline__ void decode_tile(const uint4 (&kv)[U], const uint4 (&vv)[U], int t0, int cn,
                                             const float (&qr)[MAXG][VEC], float (&m)[MAXG], float (&l)[MAXG],
                                             float (&acc)[MAXG][VEC]) {
@@ -663,7 +672,7 @@ __device__ __forceinline__ void paged_decode_body(
                         vv[u] = make_uint4(0u, 0u, 0u, 0u);
                     }
                 }
-                decode_tile<T, D, MAXG, U, VEC, TPK, KPI>(kv, vv, tb + kg, cn, qr, m, l, acc);
+                decode_tile<T, MAXG, U, VEC, TPK, KPI>(kv, vv, tb + kg, cn, qr, m, l, acc);
             }
         } else {
             // the thread's slot j (0..2U-1: K of tokens u, then V) of stage st: ring[(st * 2U + j) * DEC_THREADS + tid]
@@ -688,13 +697,13 @@ __device__ __forceinline__ void paged_decode_body(
 #pragma unroll
             for (int t = 0; t < STAGES - 1; ++t) {
                 if (t < ntiles) issue(t);
-                dec_cp_async_commit();
+                cp_async_commit();
             }
             for (int t = 0; t < ntiles; ++t) {
                 // the stage of tile t + STAGES - 1 is the one this thread scored last round
                 if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1);
-                dec_cp_async_commit();
-                dec_cp_async_wait<STAGES - 1>();  // tile t has landed
+                cp_async_commit();
+                cp_async_wait<STAGES - 1>();  // tile t has landed
                 const uint4* slot = ring + (t % STAGES) * 2 * U * DEC_THREADS + tid;
                 uint4 kv[U], vv[U];
 #pragma unroll
@@ -702,7 +711,7 @@ __device__ __forceinline__ void paged_decode_body(
                     kv[u] = slot[u * DEC_THREADS];
                     vv[u] = slot[(U + u) * DEC_THREADS];
                 }
-                decode_tile<T, D, MAXG, U, VEC, TPK, KPI>(kv, vv, t * TILE + kg, cn, qr, m, l, acc);
+                decode_tile<T, MAXG, U, VEC, TPK, KPI>(kv, vv, t * TILE + kg, cn, qr, m, l, acc);
             }
         }
     }
@@ -789,7 +798,7 @@ __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode
     paged_decode_body<T, D, MAXG, 0>(PAGED_DECODE_ARGS, s_red, s_ml, nullptr);
 }
 
-// Dynamic shared memory: max(the ring, s_red + s_ml) bytes (ops.decode_v4_smem_bytes).
+// Dynamic shared memory: max(the ring, s_red + s_ml) bytes (ops.decode_dynamic_smem).
 template <typename T, int D, int MAXG, int STAGES>
 __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v4(PAGED_DECODE_PARAMS) {
     pdl_trigger();
@@ -927,18 +936,6 @@ template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* smem) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
