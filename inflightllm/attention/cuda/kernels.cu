@@ -432,30 +432,40 @@ __device__ __forceinline__ int decode_split_tokens(int n, int Z, int min_split, 
 // grid (num_heads, num_decodes), D threads. Z <= RED_MAXZ. Weights of the splits first (in
 // shared memory), then each thread sums its dimension over the splits with independent loads.
 // Only the sequence's active splits (decode_split_tokens) are merged; with one, paged_decode_v2
-// has written the output itself and this block has nothing to do.
+// has written the output itself and this block has nothing to do. Right after the wait every
+// thread loads its first split's max and sum and its first RED_PRE partial outputs at once, so
+// that the block waits for L2 once instead of three times (a batch-1 step waits for this
+// kernel in each layer); the sums are taken in the same order as before.
 #define RED_MAXZ 1024
+#define RED_PRE 8
 template <typename T, int D>
 __global__ void __launch_bounds__(D)
 decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part_m,
               const float* __restrict__ part_l, T* __restrict__ out, int num_heads, int Z,
               const int* __restrict__ context_lens, int window, int min_split) {
     pdl_trigger();
-    pdl_wait();
     constexpr int NW = D / 32;
     __shared__ float s_w[RED_MAXZ];
     __shared__ float s_r[NW];
     const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
     const int lane = d & 31, warp = d >> 5;
     const i64 hrow = (i64)seq * num_heads + head;
-    const int ctx = context_lens[seq];
+    const int ctx = context_lens[seq];  // uploaded before the step's first kernel: read before the wait
     const int n = ctx - ((window > 0) ? max(0, ctx - window) : 0);
     int active;
     decode_split_tokens(n, Z, min_split, &active);
+    pdl_wait();  // the partials come from the decode kernel
     if (active <= 1) return;
     const float* pm = part_m + hrow * Z;
     const float* pl = part_l + hrow * Z;
-    float mx = neg_inf();
-    for (int i = d; i < active; i += D) mx = fmaxf(mx, pm[i]);
+    const float* po = part_out + hrow * Z * D + d;
+    const float m_first = d < active ? pm[d] : neg_inf();
+    const float l_first = d < active ? pl[d] : 0.f;
+    float po_first[RED_PRE];
+#pragma unroll
+    for (int i = 0; i < RED_PRE; ++i) po_first[i] = i < active ? po[(i64)i * D] : 0.f;
+    float mx = m_first;
+    for (int i = d + D; i < active; i += D) mx = fmaxf(mx, pm[i]);
     mx = warp_max(mx);
     if (lane == 0) s_r[warp] = mx;
     __syncthreads();
@@ -465,8 +475,8 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
     const float M_use = (M == neg_inf()) ? 0.f : M;
     float ls = 0.f;
     for (int i = d; i < active; i += D) {
-        const float l = pl[i];
-        const float w = (l > 0.f) ? exp2f(pm[i] - M_use) : 0.f;
+        const float l = i == d ? l_first : pl[i];
+        const float w = (l > 0.f) ? exp2f((i == d ? m_first : pm[i]) - M_use) : 0.f;
         s_w[i] = w;
         ls = fmaf(w, l, ls);
     }
@@ -477,10 +487,12 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
     float L = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) L += s_r[w];
-    const float* po = part_out + hrow * Z * D + d;
     float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < RED_PRE; ++i)
+        if (i < active) acc = fmaf(s_w[i], po_first[i], acc);
 #pragma unroll 8
-    for (int i = 0; i < active; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
+    for (int i = RED_PRE; i < active; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
     out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
 }
 
@@ -575,6 +587,14 @@ __device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
 
 // The body of versions 2 (STAGES == 0: loads into registers) and 4 (STAGES >= 2: the ring
 // `ring`, which also holds s_red / s_ml once the tokens are done).
+//
+// It calls pdl_wait itself, once its context length and first block-table slice are in: those
+// are uploaded before the step's first kernel, so a block launched early by PDL reads them while
+// the kernel before drains (split 0 without a window reads the slice together with the length).
+// The query and the K/V cache are read after the wait. (Loading the first K/V tiles before the
+// wait too, all but the newest row, which the kernel before writes, gave wrong tokens in
+// tests/gpu/test_gpu_engine.py::test_fp32_small_batch_kernels_equal_transformers, see
+// docs/CUDA-KERNELS.md: some other row is not final when the kernel starts.)
 template <typename T, int D, int MAXG, int STAGES>
 __device__ __forceinline__ void paged_decode_body(
     const T* __restrict__ q, i64 q_stok, i64 q_shead, const T* __restrict__ key_cache,
@@ -604,12 +624,19 @@ __device__ __forceinline__ void paged_decode_body(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int piece = tid % TPK, kg = tid / TPK;
 
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    // Split 0 without a window starts at token 0, so its first block-table slice is known before
+    // the context length: its entries are loaded together with it, not after it.
+    const int spec_n = min(bt_stride, min(DEC_THREADS, DEC2_CHUNK >> bs_shift));
+    const bool spec = window == 0 && split == 0;
+    const int spec_entry = (spec && tid < spec_n) ? bt[tid] : 0;
     const int ctx = context_lens[seq];
     const int start = (window > 0) ? max(0, ctx - window) : 0;
     const int n = ctx - start;
     int active;
     const int per = decode_split_tokens(n, Z, min_split, &active);
     if (split >= active) {  // no tokens here: decode_reduce merges only the active splits
+        pdl_wait();
         if (split == 0)  // an empty context: zeros (decode_reduce skips it as a single split)
             decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
         return;
@@ -617,6 +644,22 @@ __device__ __forceinline__ void paged_decode_body(
     const bool direct = (active == 1);  // the only split: the normalised output, no partials
     const int r0 = start + split * per;
     const int r1 = min(ctx, r0 + per);
+
+    // The block-table slice of tokens [c0, min(r1, c0 + DEC2_CHUNK)) into s_bt; the first one
+    // before the wait.
+    auto load_slice = [&](int c0) {
+        const int b0 = c0 >> bs_shift;
+        const int nb = ((min(r1, c0 + DEC2_CHUNK) - 1) >> bs_shift) - b0 + 1;
+        __syncthreads();  // the previous slice is no longer read
+        if (spec && c0 == 0 && nb <= spec_n) {
+            if (tid < nb) s_bt[tid] = spec_entry;
+        } else {
+            for (int i = tid; i < nb; i += DEC_THREADS) s_bt[i] = bt[b0 + i];
+        }
+        __syncthreads();
+    };
+    load_slice(r0);
+    pdl_wait();  // the query and this step's K/V row come from the kernels before
 
     float qr[MAXG][VEC];
 #pragma unroll
@@ -642,7 +685,6 @@ __device__ __forceinline__ void paged_decode_body(
     }
 
     const int bs_mask = (1 << bs_shift) - 1;
-    const int* bt = block_tables + (i64)seq * bt_stride;
     const i64 row_stride = (i64)num_kv_heads * D;
     const T* kbase = key_cache + (i64)kvh * D + piece * VEC;
     const T* vbase = value_cache + (i64)kvh * D + piece * VEC;
@@ -651,10 +693,7 @@ __device__ __forceinline__ void paged_decode_body(
         const int c1 = min(r1, c0 + DEC2_CHUNK);
         const int cn = c1 - c0;
         const int b0 = c0 >> bs_shift;
-        const int nb = ((c1 - 1) >> bs_shift) - b0 + 1;
-        __syncthreads();  // the previous slice is no longer read
-        for (int i = tid; i < nb; i += DEC_THREADS) s_bt[i] = bt[b0 + i];
-        __syncthreads();
+        if (c0 != r0) load_slice(c0);
 
         if constexpr (STAGES == 0) {
             for (int tb = 0; tb < cn; tb += TILE) {
@@ -791,8 +830,7 @@ __device__ __forceinline__ void paged_decode_body(
 
 template <typename T, int D, int MAXG>
 __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v2(PAGED_DECODE_PARAMS) {
-    pdl_trigger();
-    pdl_wait();
+    pdl_trigger();  // pdl_wait: in the body, after the loads that need not wait
     __shared__ float s_red[DEC_WARPS * MAXG * D];
     __shared__ float s_ml[DEC_WARPS * MAXG * 2];
     paged_decode_body<T, D, MAXG, 0>(PAGED_DECODE_ARGS, s_red, s_ml, nullptr);
@@ -801,8 +839,7 @@ __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode
 // Dynamic shared memory: max(the ring, s_red + s_ml) bytes (ops.decode_dynamic_smem).
 template <typename T, int D, int MAXG, int STAGES>
 __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v4(PAGED_DECODE_PARAMS) {
-    pdl_trigger();
-    pdl_wait();
+    pdl_trigger();  // pdl_wait: in the body, after the loads that need not wait
     extern __shared__ uint4 dec_ring[];
     float* s_red = reinterpret_cast<float*>(dec_ring);
     paged_decode_body<T, D, MAXG, STAGES>(PAGED_DECODE_ARGS, s_red, s_red + DEC_WARPS * MAXG * D, dec_ring);
