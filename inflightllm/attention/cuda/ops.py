@@ -159,13 +159,6 @@ def current_stream() -> _StreamRef:
 _STREAM_KWARG = [True]  # CuPy's kernel call takes stream=<object with .ptr>; else a stream context
 
 
-@functools.cache
-def _external_stream(ptr: int):
-    import cupy
-
-    return cupy.cuda.ExternalStream(ptr)
-
-
 def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = None, shared_mem: int = 0) -> None:
     """Launch on `stream`; with `pdl_device` (the decode kernels, which call pdl_trigger and
     pdl_wait), by programmatic dependent launch where that GPU has it (inflightllm/gpu/pdl.py)."""
@@ -183,7 +176,11 @@ def _launch(fn, grid, block, args, stream: _StreamRef, pdl_device: int | None = 
             return
         except (TypeError, AttributeError):
             _STREAM_KWARG[0] = False
-    with _external_stream(stream.ptr):
+    import cupy
+
+    from inflightllm.gpu import pdl
+
+    with pdl.external_stream(stream.ptr, cupy.cuda.runtime.getDevice()):  # on the current device, as before
         fn(grid, (int(block),), args)
 
 

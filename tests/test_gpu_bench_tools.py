@@ -1,0 +1,44 @@
+"""The CPU-checkable parts of the GPU micro-benchmarks: perf/bench_overlap.py's half-batch
+metadata and perf/bench_gemm.py's refusal of unknown variants (the GPU runs themselves are
+recorded in docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from inflightllm.attention.base import SequenceSlice
+from inflightllm.attention.cuda.backend import CudaPagedAttention
+from inflightllm.profile import REPO_ROOT
+from perf.bench_overlap import rows_of
+
+
+def test_rows_of_gives_each_half_its_own_decode_metadata():
+    backend = CudaPagedAttention(num_heads=4, num_kv_heads=2, head_dim=64)
+    backend.block_size = 16
+    sequences = [SequenceSlice(query_start=i, query_len=1, context_len=10 + 7 * i,
+                               block_table=(3 * i, 3 * i + 1, 3 * i + 2)) for i in range(6)]
+    whole = backend.build_metadata(sequences, "cpu")
+    second = rows_of(whole, 2, 6)
+    assert (second.num_decodes, second.num_prefills, second.num_decode_tokens) == (4, 0, 4)
+    assert second.num_tokens == 4 and second.num_seqs == 4
+    # the same rows, as if the four sequences had been packed on their own
+    alone = backend.build_metadata(
+        [SequenceSlice(i, 1, s.context_len, s.block_table) for i, s in enumerate(sequences[2:])], "cpu"
+    )
+    for name in ("slot_mapping", "positions", "block_tables", "context_lens", "query_start_loc"):
+        assert torch.equal(getattr(second, name), getattr(alone, name)), name
+    first = rows_of(whole, 0, 2)
+    assert first.query_start_loc.tolist() == [0, 1, 2]
+    assert first.context_lens.tolist() == [10, 17]
+
+
+def test_bench_gemm_names_its_variants_when_given_an_unknown_one():
+    result = subprocess.run(
+        [sys.executable, "-m", "perf.bench_gemm", "--variants", "lt,fp8"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--variants: unknown ['fp8']; allowed: lt, wt" in result.stderr
