@@ -593,8 +593,8 @@ __device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
 // the kernel before drains (split 0 without a window reads the slice together with the length).
 // The query and the K/V cache are read after the wait. (Loading the first K/V tiles before the
 // wait too, all but the newest row, which the kernel before writes, gave wrong tokens in
-// tests/gpu/test_gpu_engine.py::test_fp32_small_batch_kernels_equal_transformers, see
-// docs/CUDA-KERNELS.md: some other row is not final when the kernel starts.)
+// tests/gpu/test_gpu_engine.py::test_fp32_small_batch_kernels_equal_transformers on three
+// machines, for a reason not found: docs/PERFORMANCE.md, "seventh pass".)
 template <typename T, int D, int MAXG, int STAGES>
 __device__ __forceinline__ void paged_decode_body(
     const T* __restrict__ q, i64 q_stok, i64 q_shead, const T* __restrict__ key_cache,
