@@ -150,3 +150,32 @@ def test_min_tokens_bans_every_stop_id_of_each_row_below_its_minimum_at_once():
     reference = Sampler(seed=0)(logits.clone(), [request(p, outputs=(7,) * n) for p, n in zip(params, (3, 1, 0, 0))])
     first = sampler.sample(logits.clone(), rows, states, output_counts=np.array([3, 1, 0, 0])).to_host().lists()[0]
     assert first == reference.token_ids
+
+
+def test_16_bit_logits_give_the_ids_and_log_probs_of_their_float32_copy():
+    """The runner hands over the LM head's bf16/fp16 logits. An all-greedy step with no log
+    probs or bans takes its argmax on them, others convert them to float32 first: either way
+    the ids (and log probs) are those of the float32 copy, ties resolved to the first id."""
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = random_logits(6, seed=5).to(dtype)
+        logits[1, 10] = logits[1, 40] = logits[1].max() + 1  # a tie: the first id wins
+        logits[2, VOCAB - 8 :] = float("-inf")  # as mask_unsampleable leaves them
+        wide = logits.float()
+        greedy = [SamplingParams()] * 6
+        assert batched(greedy, logits)[0] == batched(greedy, wide)[0] == wide.argmax(dim=-1).tolist()
+        assert batched(greedy, logits)[0][1] == 10
+        mixed = greedy[:5] + [SamplingParams(logprobs=True)]
+        ids, logprobs, _, _ = batched(mixed, logits)
+        assert (ids, logprobs) == batched(mixed, wide)[:2]
+        banned = greedy[:5] + [SamplingParams(bad_words=((int(wide[5].argmax()),),))]
+        assert batched(banned, logits)[0] == batched(banned, wide)[0]
+        assert batched(banned, logits)[0][5] != int(wide[5].argmax())
+        stops = [SamplingParams(min_tokens=2)] + greedy[:5]
+        states = [request(p, name=f"r{i}") for i, p in enumerate(stops)]
+        fast = GpuSampler(torch.device("cpu"), max_rows=8, seed=0)
+        for row, state in enumerate(states):
+            fast.add_row(row, state)
+        row0 = logits.clone()
+        row0[0, 2] = 100.0  # EOS wins row 0 unless banned
+        got = fast.sample(row0, np.arange(6), states, output_counts=np.zeros(6, np.int64))
+        assert got.token_ids.dtype == torch.int64 and got.token_ids[0].item() != 2

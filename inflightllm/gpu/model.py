@@ -48,7 +48,7 @@ def small_batch_kernels_enabled(dtype: torch.dtype) -> bool:
 
 class GpuLlama:
     """Packed-batch causal LM on one GPU: `forward` gives final hidden states,
-    `compute_logits` the float32 logits of selected rows.
+    `compute_logits` the logits of selected rows.
 
     With `tp` (an inflightllm.parallel TensorParallelGroup) it holds one rank's share:
     its attention heads and KV heads (q/k/v column-parallel), its slice of the
@@ -345,16 +345,18 @@ class GpuLlama:
         return delta
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]; -inf from
-        `sampleable_vocab_size` on (ids the tokenizer does not have)."""
-        if self.tp is None:
-            return mask_unsampleable(F.linear(hidden, self.lm_head).float(), self.sampleable_vocab_size)
-        local = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows]
-        if local.shape[1] < self.per_rank_vocab:
-            local = F.pad(local, (0, self.per_rank_vocab - local.shape[1]), value=float("-inf"))
-        logits = self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
-        return mask_unsampleable(logits, self.sampleable_vocab_size)
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size], contiguous; -inf from
+        `sampleable_vocab_size` on (ids the tokenizer does not have). In `dtype`, or with
+        None in the model's own dtype, as the LM head computes them (the runner's choice:
+        the GPU sampler converts to float32 only where a step needs it, docs/GPU-ENGINE.md)."""
+        logits = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows] under TP
+        if self.tp is not None:
+            if logits.shape[1] < self.per_rank_vocab:
+                logits = F.pad(logits, (0, self.per_rank_vocab - logits.shape[1]), value=float("-inf"))
+            logits = self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]
+        logits = logits.to(dtype) if dtype is not None else logits
+        return mask_unsampleable(logits.contiguous(), self.sampleable_vocab_size)
 
 
 def gpu_device(config) -> torch.device:

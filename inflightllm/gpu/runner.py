@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 GRAPH_RESERVE_BYTES = 2 << 30  # CUDA-graph pools and workspaces left out of the KV budget
 # Decode graphs up to this bucket also run the LM head, and under tensor parallelism its
-# all-gather (their [bucket, vocab] float32 logits stay allocated: 0.5 MiB a row at a 128k
-# vocab); larger buckets keep only hidden states and run the LM head on the sampling rows
+# all-gather (their [bucket, vocab] logits, in the model's dtype, stay allocated: 0.25 MiB
+# a row in bf16 at a 128k vocab); larger buckets keep only hidden states and run the LM head on the sampling rows
 # after the replay.
 LOGITS_GRAPH_MAX_BUCKET = 16
 
@@ -151,8 +151,9 @@ class GpuModelRunner:
         )
         with ops.torch_stream():
             hidden = self.model.forward(self.input_ids[:tokens], self.positions[:tokens], probe, metadata)
-            logits = self.model.compute_logits(hidden[-1:].expand(self.max_rows, -1).contiguous())
-            self.sampler.sample(logits, np.arange(self.max_rows), [None] * self.max_rows)
+            logits = self.model.compute_logits(hidden[-1:].expand(self.max_rows, -1).contiguous(), dtype=None)
+            # (a step that samples converts its 16-bit logits to float32: both are alive then)
+            self.sampler.sample(logits.float(), np.arange(self.max_rows), [None] * self.max_rows)
         torch.cuda.synchronize(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - baseline
         del hidden, logits, probe, metadata
@@ -297,7 +298,8 @@ class GpuModelRunner:
             metadata = self._graph_metadata(batch)
             with ops.torch_stream():  # warm-up outside capture (kernel compilation, cuBLAS handles)
                 self.model.compute_logits(
-                    self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
+                    self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata),
+                    dtype=None,
                 )
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -310,7 +312,7 @@ class GpuModelRunner:
             with torch.cuda.graph(graph, pool=self.graph_pool, stream=capture_stream):
                 with ops.torch_stream():
                     hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.attention, metadata)
-                    logits = self.model.compute_logits(hidden) if with_logits else None
+                    logits = self.model.compute_logits(hidden, dtype=None) if with_logits else None
             self.graphs[batch] = (graph, hidden, logits)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (%s) in %.1f s", len(buckets), buckets, time.monotonic() - start)
@@ -387,14 +389,14 @@ class GpuModelRunner:
                 logits = graph_logits[:batch]
             else:
                 selected = self.staging.upload(np.flatnonzero(samples))
-                logits = self.model.compute_logits(graph_hidden.index_select(0, selected))
+                logits = self.model.compute_logits(graph_hidden.index_select(0, selected), dtype=None)
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             total = int(query_lens.sum())
             with ops.torch_stream():
                 hidden = self.model.forward(self.input_ids[:total], self.positions[:total], self.attention, metadata)
                 selected = self.staging.upload(last_token[samples])
-                logits = self.model.compute_logits(hidden.index_select(0, selected))
+                logits = self.model.compute_logits(hidden.index_select(0, selected), dtype=None)
 
         self.num_computed[rows] = num_computed + query_lens
         sample_rows = rows[samples]

@@ -148,11 +148,19 @@ class GpuSampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
                output_counts: np.ndarray | None = None) -> SampleResult:
-        """logits [m, vocab] float32 (modified in place); rows [m] runner rows; requests
-        the runner's states of those rows; `output_counts` the tokens each has generated
-        (in flight included), for min_tokens. Returns device tensors; nothing waits."""
+        """logits [m, vocab] (modified in place) float32, or in the model's 16-bit dtype;
+        rows [m] runner rows; requests the runner's states of those rows; `output_counts`
+        the tokens each has generated (in flight included), for min_tokens. Returns
+        device tensors; nothing waits.
+
+        16-bit logits are converted to float32 first unless every row is greedy with no
+        log probs, penalties or bans: an argmax is the same on either (the conversion is
+        exact and both take the first maximum), and a greedy step at batch 1,024 skips
+        writing and rereading [1,024, vocab] float32 logits (0.5 GB for Llama 3)."""
         p = self.params
         wants = p.wants_logprobs[rows]
+        if logits.dtype != torch.float32 and not (p.greedy[rows].all() and not wants.any() and not p.special[rows].any()):
+            logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
         errors: dict[int, str] = {}
         for index in np.flatnonzero(p.special[rows]):

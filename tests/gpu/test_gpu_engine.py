@@ -450,6 +450,33 @@ def test_the_gpu_sampler_does_not_wait_for_the_gpu():
     assert results["cuda"][0] not in (2, 9) and results["cuda"][2] not in (5, 7)
 
 
+def test_greedy_steps_take_the_argmax_of_16_bit_logits_with_the_float32_ids():
+    """The runner's LM head gives bf16 logits; an all-greedy step takes its argmax on them
+    (no float32 copy) without a host sync, and its ids are those of the float32 logits, ties
+    included, at the Llama 3 vocabulary and a throughput batch."""
+    from inflightllm.gpu.sampler import GpuSampler
+    from inflightllm.gpu.staging import PinnedStaging
+    from inflightllm.request import Request
+
+    device = torch.device("cuda", 0)
+    rows = 1024
+    logits = (torch.randn(rows, 128256, device=device, generator=torch.Generator(device).manual_seed(3)) * 4)
+    logits = logits.to(torch.bfloat16)
+    logits[7, 100] = logits[7, 90000] = logits[7].max() + 1  # a tie: the first id wins
+    sampler = GpuSampler(device, max_rows=rows, seed=0, upload=PinnedStaging(device).upload)
+    requests = [Request(request_id=f"r{i}", prompt_token_ids=[1], params=SamplingParams()) for i in range(rows)]
+    for row, state in enumerate(requests):
+        sampler.add_row(row, state)
+    expected = logits.float().argmax(dim=-1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = sampler.sample(logits, np.arange(rows), requests, np.zeros(rows, np.int64))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(result.token_ids, expected) and result.token_ids[7].item() == 100
+
+
 def test_pdl_launches_give_the_same_tokens(monkeypatch):
     """Programmatic dependent launch (inflightllm/gpu/pdl.py) changes when kernels start, not
     what they compute: bf16 greedy ids with it equal those without, over staggered arrivals
