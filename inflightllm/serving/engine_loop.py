@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -301,16 +302,40 @@ class EngineLoop:
             logger.exception("sending an error response failed")
 
 
+SENDER_YIELD_ENV = "INFLIGHTLLM_SENDER_YIELD_US"
+SENDER_YIELD_US = 200  # measured on the H200: docs/PERFORMANCE.md, "the response sender yields the GIL"
+
+
+def sender_yield_s() -> float:
+    """Seconds the sender sleeps between two responses of a round: SENDER_YIELD_US, or
+    INFLIGHTLLM_SENDER_YIELD_US (0 turns the pause off)."""
+    raw = os.environ.get(SENDER_YIELD_ENV, str(SENDER_YIELD_US))
+    try:
+        micros = float(raw)
+    except ValueError:
+        raise ValueError(f"{SENDER_YIELD_ENV}={raw!r}: give microseconds, a number from 0 to 10000") from None
+    if not 0 <= micros <= 10000:
+        raise ValueError(f"{SENDER_YIELD_ENV}={raw!r}: give microseconds, a number from 0 to 10000")
+    return micros / 1e6
+
+
 class ResponseSender:
     """The thread that turns outputs into responses and sends them.
 
     Items are queued per step; a request's pending outputs are merged into one response
     when more than one waits (the stream fell behind). Errors keep their place in the
     order. A send that raises marks the request failed; the loop thread aborts it.
+
+    With `yield_s` the sender sleeps that long after each response but a round's last,
+    which releases the GIL: a loop thread waiting for it takes it then, instead of after
+    Python's switch interval (5 ms).
     """
 
-    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None):
+    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None, yield_s: float | None = None):
         self.loop = loop
+        self.yield_s = sender_yield_s() if yield_s is None else yield_s
+        if self.yield_s:
+            logger.info("the response sender sleeps %.0f us between responses", self.yield_s * 1e6)
         # Backpressure from postprocessing (inflightllm/piece_ledger.py): before each round the
         # sender waits, bounded, while too many of its packed pieces are still unanswered.
         self.ledger = ledger
@@ -390,7 +415,10 @@ class ResponseSender:
                 else:
                     entry[0].append(output)
         self._busy = len(order)
-        for item in order:
+        pause = self.yield_s
+        for index, item in enumerate(order):
+            if pause and index:
+                time.sleep(pause)
             self._busy -= 1
             if item[0] == "error":
                 EngineLoop._safe_error(item[1], item[2])
