@@ -1,8 +1,8 @@
-"""The response sender's pause between the responses of a round (SENDER_YIELD_US,
-INFLIGHTLLM_SENDER_YIELD_US): it releases the GIL so that the engine loop thread, which
-launches the GPU's next step, is not held up to Python's 5 ms switch interval by a long
-round of sends (docs/PERFORMANCE.md). The pause comes between responses only, never
-before a round's first; a bad setting is refused with the variable's name and range."""
+"""The response sender's optional pause between the responses of a round
+(INFLIGHTLLM_SENDER_YIELD_US, off by default): it releases the GIL so that the engine loop
+thread, which launches the GPU's next step, is not held up to Python's 5 ms switch interval
+by a long round of sends (docs/GPU-ENGINE.md). The pause comes between responses only,
+never before a round's first; a bad setting is refused with the variable's name and range."""
 
 from __future__ import annotations
 
@@ -73,9 +73,10 @@ def test_a_round_of_one_response_is_not_delayed_and_zero_turns_the_pause_off():
 
 def test_the_setting_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv(SENDER_YIELD_ENV, raising=False)
-    assert sender_yield_s() == SENDER_YIELD_US / 1e6 == 200e-6
-    monkeypatch.setenv(SENDER_YIELD_ENV, "0")
-    assert sender_yield_s() == 0.0 and ResponseSender(loop=None).yield_s == 0.0
+    assert sender_yield_s() == SENDER_YIELD_US / 1e6 == 0.0  # off unless asked for
+    assert ResponseSender(loop=None).yield_s == 0.0
+    monkeypatch.setenv(SENDER_YIELD_ENV, "200")
+    assert sender_yield_s() == pytest.approx(200e-6)
     monkeypatch.setenv(SENDER_YIELD_ENV, "50")
     assert ResponseSender(loop=None).yield_s == pytest.approx(50e-6)
     for bad in ("fast", "-1", "20000", ""):

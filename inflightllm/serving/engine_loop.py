@@ -303,12 +303,15 @@ class EngineLoop:
 
 
 SENDER_YIELD_ENV = "INFLIGHTLLM_SENDER_YIELD_US"
-SENDER_YIELD_US = 200  # measured on the H200: docs/PERFORMANCE.md, "the response sender yields the GIL"
+# Off by default. 200 raised stream=true through Triton on the H200 from 0.82-0.89x to
+# 0.92-0.95x of engine-only, but with any pause Triton 2.51 intermittently kept the
+# ensemble "live" at shutdown, which then waited its whole exit timeout (30 s) (docs/GPU-ENGINE.md).
+SENDER_YIELD_US = 0
 
 
 def sender_yield_s() -> float:
-    """Seconds the sender sleeps between two responses of a round: SENDER_YIELD_US, or
-    INFLIGHTLLM_SENDER_YIELD_US (0 turns the pause off)."""
+    """Seconds the sender sleeps between two responses of a round: INFLIGHTLLM_SENDER_YIELD_US
+    (microseconds), else SENDER_YIELD_US (0: no pause)."""
     raw = os.environ.get(SENDER_YIELD_ENV, str(SENDER_YIELD_US))
     try:
         micros = float(raw)
