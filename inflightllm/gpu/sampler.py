@@ -158,20 +158,20 @@ class GpuSampler:
         exact and both take the first maximum), and a greedy step at batch 1,024 skips
         writing and rereading [1,024, vocab] float32 logits (0.5 GB for Llama 3)."""
         p = self.params
-        wants = p.wants_logprobs[rows]
-        if logits.dtype != torch.float32 and not (p.greedy[rows].all() and not wants.any() and not p.special[rows].any()):
+        wants, greedy, special = p.wants_logprobs[rows], p.greedy[rows], p.special[rows]
+        any_wants, all_greedy, specials = wants.any(), greedy.all(), np.flatnonzero(special)
+        if logits.dtype != torch.float32 and not (all_greedy and not any_wants and not len(specials)):
             logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants.any() else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants else None
         errors: dict[int, str] = {}
-        for index in np.flatnonzero(p.special[rows]):
+        for index in specials:
             try:
                 _adjust_row(logits[index], requests[index], self.upload)
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
         self._ban_stops_before_min_tokens(logits, rows, requests, output_counts)
-        greedy = p.greedy[rows]
         token_ids = torch.argmax(logits, dim=-1)
-        if not greedy.all():
+        if not all_greedy:
             token_ids = torch.where(
                 self.upload(greedy), token_ids, self._sample(logits, rows)
             )

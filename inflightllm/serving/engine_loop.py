@@ -316,7 +316,7 @@ def sender_yield_s() -> float:
     try:
         micros = float(raw)
     except ValueError:
-        raise ValueError(f"{SENDER_YIELD_ENV}={raw!r}: give microseconds, a number from 0 to 10000") from None
+        micros = -1.0  # refused below, with the range
     if not 0 <= micros <= 10000:
         raise ValueError(f"{SENDER_YIELD_ENV}={raw!r}: give microseconds, a number from 0 to 10000")
     return micros / 1e6
