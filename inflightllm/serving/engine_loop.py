@@ -303,8 +303,8 @@ class EngineLoop:
 
 
 SENDER_YIELD_ENV = "INFLIGHTLLM_SENDER_YIELD_US"
-# Off by default. 200 raised stream=true through Triton on the H200 from 0.82-0.89x to
-# 0.92-0.95x of engine-only, but with any pause Triton 2.51 intermittently kept the
+# Off by default. 200 raised stream=true through Triton on the H200 by about 4 % (0.84-0.89x
+# to 0.88-0.95x of engine-only), but with any pause Triton 2.51 intermittently kept the
 # ensemble "live" at shutdown, which then waited its whole exit timeout (30 s) (docs/GPU-ENGINE.md).
 SENDER_YIELD_US = 0
 

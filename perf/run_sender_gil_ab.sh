@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device command: the stream=true server phase (perf/bench_gpu_server.py, profile
+# llama3-8b-h200, 1,024 x 128/128) with and without the response sender's pause, each run
+# with its own server, in the order given, plus one engine-only run to compare against:
+#   base: the default (no pause); y<us>: INFLIGHTLLM_SENDER_YIELD_US=<us>.
+#   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
+# Writes $OUT/<variant>/bench_gpu_server-*.{json,md} and $OUT/summary.txt.
+set -u
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
+PROFILE="${PROFILE:-profiles/llama3-8b-h200.yaml}"
+VARIANTS="${VARIANTS:-base y200 base y200}"
+note "run_sender_gil_ab: $(date -u '+%Y-%m-%d %H:%M UTC'), $PROFILE, variants: $VARIANTS"
+install_bundle
+step engine 200 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
+  --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip transformers,nostream,stream
+for variant in $VARIANTS; do
+  case "$variant" in
+    base) env_args=() ;;
+    y*) env_args=(INFLIGHTLLM_SENDER_YIELD_US="${variant#y}") ;;
+    *) note "unknown variant $variant"; continue ;;
+  esac
+  step "stream-$variant" 200 env "${env_args[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
+    --out "$OUT/$variant" --server-log-dir "$OUT/logs-$variant" --max-seconds 180 --server-timeout 240 \
+    --skip engine,transformers,nostream
+  note "$variant: $(sed -n '/stream=true/p' "$OUT/$variant"/bench_gpu_server-*.md 2>/dev/null | head -1)"
+done
+echo "=== engine-only"
+sed -n '/^| system/,$p' "$OUT"/engine/bench_gpu_server-*.md 2>/dev/null
+cat "$SUMMARY"
+exit $STATUS
