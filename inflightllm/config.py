@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 BATCHING_STRATEGIES = ("inflight", "static")
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICE_KINDS = ("cpu", "gpu")
+# KV-cache element type: "auto" = the model's dtype; "fp8" = e4m3 with per-layer K and V scales.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # "dummy": no model compute, deterministic tokens (inflightllm.dummy_runner; a measurement tool).
 RUNNERS = ("model", "dummy")
 
@@ -44,6 +46,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: derive from the memory budget; > 0: exactly this many (tests)
     fault_injection: bool = False  # tests only: requests with the seeds of inflightllm.faults fail on purpose
     runner: str = "model"  # model | dummy (no model compute: measures the response path alone)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-layer K/V scales: twice the tokens)
 
     def to_parameters(self) -> dict[str, str]:
         params = {}

@@ -18,7 +18,7 @@ from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
 from inflightllm.model_runner import make_model_runner
-from inflightllm.model_source import DTYPE_BYTES, ModelDims, ModelSpec
+from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
 from inflightllm.models.loader import LoadedModel, load_model
 from inflightllm.request import FinishReason, Request, RequestStatus
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
@@ -131,7 +131,8 @@ def num_kv_blocks(config: EngineConfig, dims: ModelDims, dtype: str) -> int | No
         return config.num_kv_blocks
     if config.device != "cpu":
         return None
-    bytes_per_block = config.block_size * dims.kv_bytes_per_token(DTYPE_BYTES[dtype], config.tensor_parallel_size)
+    element = kv_element_bytes(dtype, config.kv_cache_dtype)
+    bytes_per_block = config.block_size * dims.kv_bytes_per_token(element, config.tensor_parallel_size)
     return config.kv_cache_bytes // bytes_per_block
 
 

@@ -69,6 +69,7 @@ class ModelRunner:
         block_size: int,
         device_kind: str = "cpu",
         sampler_seed: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -80,6 +81,8 @@ class ModelRunner:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             sliding_window=arch.sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=getattr(loaded, "kv_scales", None),
         )
         self.attention.allocate_kv_cache(
             num_blocks, block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, loaded.dtype, self.device
@@ -165,7 +168,7 @@ def make_model_runner(loaded: LoadedModel, config, num_blocks: int | None, sampl
 
         return TensorParallelRunner(loaded.spec, config, loaded, num_blocks, sampler_seed)
     if config.device == "cpu":
-        return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed)
+        return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed, config.kv_cache_dtype)
     from inflightllm.gpu.runner import GpuModelRunner
 
     return GpuModelRunner(loaded, config, num_blocks, sampler_seed)

@@ -36,6 +36,7 @@ from inflightllm.models.shapes import shape_config
 
 SOURCES = ("gguf_package", "hf_folder", "random")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "fp8")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -63,6 +64,10 @@ class ModelSpec:
     tokenizer: str | None = None
     dtype: str = "float32"
     max_model_len: int | None = None
+    # "fp8": quantize the linear layers' weights to FP8 e4m3 at load (per-output-channel
+    # scales; activations quantized per token at run time). None: as the checkpoint stores
+    # them (a pre-quantized FP8 checkpoint loads as FP8 either way: inflightllm.quantization).
+    quantization: str | None = None
 
     def to_parameters(self) -> dict[str, str]:
         """Flat string parameters for a Triton config (`model_<field>`); empty ones omitted."""
@@ -338,6 +343,11 @@ def model_dims(spec: ModelSpec) -> ModelDims:
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_element_bytes(dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one K or V element in the cache: 1 for an FP8 cache, else the model's dtype's."""
+    return 1 if kv_cache_dtype == "fp8" else DTYPE_BYTES[dtype]
 
 
 def load_tokenizer(spec: ModelSpec):

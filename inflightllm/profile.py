@@ -23,6 +23,7 @@ import yaml
 from inflightllm.config import (
     BATCHING_STRATEGIES,
     DEVICE_KINDS,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     RUNNERS,
     EngineConfig,
@@ -30,10 +31,12 @@ from inflightllm.config import (
 from inflightllm.model_source import (
     DTYPE_BYTES,
     DTYPES,
+    QUANTIZATIONS,
     SOURCES,
     ModelDims,
     ModelSourceError,
     ModelSpec,
+    kv_element_bytes,
     model_dims,
 )
 
@@ -48,7 +51,9 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 TOKENIZER_MAX_BATCH_SIZE = 64
 
 TOP_LEVEL_KEYS = ("name", "description", "model", "device", "instances", "engine", "dynamic_batching")
-MODEL_KEYS = ("source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len")
+MODEL_KEYS = (
+    "source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len", "quantization"
+)
 # Keys of `model:` that belong to one source only (source, dtype, max_model_len are common).
 SOURCE_KEYS = {
     "gguf_package": ("package", "file"),
@@ -317,6 +322,12 @@ def _read_model(reader: _Reader, data: dict) -> ModelSpec:
         values["dtype"] = reader.choice(reader.string(section["dtype"], "model.dtype"), "model.dtype", DTYPES)
     if "max_model_len" in section:
         values["max_model_len"] = reader.integer(section["max_model_len"], "model.max_model_len", 1)
+    if "quantization" in section:
+        quantization = reader.choice(
+            reader.string(section["quantization"], "model.quantization"), "model.quantization", QUANTIZATIONS
+        )
+        if quantization != "none":
+            values["quantization"] = quantization
     if "tokenizer" in values:
         folder = Path(values["tokenizer"]).expanduser()
         if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
@@ -416,6 +427,9 @@ def _read_engine(
         "async_scheduling": reader.boolean(section.get("async_scheduling", kind == "gpu"), "engine.async_scheduling"),
         "step_timeout_s": reader.number(get("step_timeout_s"), "engine.step_timeout_s"),
         "runner": reader.choice(reader.string(get("runner"), "engine.runner"), "engine.runner", RUNNERS),
+        "kv_cache_dtype": reader.choice(
+            reader.string(get("kv_cache_dtype"), "engine.kv_cache_dtype"), "engine.kv_cache_dtype", KV_CACHE_DTYPES
+        ),
     }
     if values["runner"] == "dummy" and (kind != "cpu" or tensor_parallel_size != 1):
         reader.fail(
@@ -513,7 +527,7 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
             "(model.max_model_len or the model's max_position_embeddings)",
         )
     if engine.device == "cpu":
-        bytes_per_token = dims.kv_bytes_per_token(DTYPE_BYTES[model.dtype], tp)
+        bytes_per_token = dims.kv_bytes_per_token(kv_element_bytes(model.dtype, engine.kv_cache_dtype), tp)
         block_tokens = math.ceil(request_tokens / engine.block_size) * engine.block_size
         needed = block_tokens * bytes_per_token
         if engine.kv_cache_bytes < needed:
@@ -521,6 +535,6 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
                 "engine.kv_cache_bytes",
                 f"{engine.kv_cache_bytes} is too small for one request of max_input_length + "
                 f"max_output_len = {request_tokens} tokens: {block_tokens} tokens in blocks of "
-                f"{engine.block_size} at {bytes_per_token} bytes per token ({model.dtype}) need "
+                f"{engine.block_size} at {bytes_per_token} bytes per token ({model.dtype}, KV cache {engine.kv_cache_dtype}) need "
                 f"{needed} bytes",
             )

@@ -22,13 +22,24 @@ from inflightllm.attention.base import (
     HostSwapMixin,
     SequenceSlice,
 )
+from inflightllm.quantization.fp8 import FP8_DTYPE, quantize_with_scale
 
 
 class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
     """Paged KV cache in torch tensors; attention with torch SDPA, one sequence at a time.
-    Swapped-out blocks go to a separate pool of CPU tensors (HostSwapMixin)."""
+    Swapped-out blocks go to a separate pool of CPU tensors (HostSwapMixin).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+    `kv_cache_dtype="fp8"`: the cache holds e4m3 values of K / k_scale and V / v_scale (per
+    layer, from `kv_scales`; 1.0 where a checkpoint gives none, as vLLM does), stored as
+    uint8 bytes; attention reads them back as e4m3 * scale in the query's dtype. This is
+    the reference the CUDA kernels' FP8 cache is tested against."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", kv_scales: list[tuple[float, float]] | None = None):
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: allowed auto, fp8")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales = kv_scales
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -43,6 +54,12 @@ class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        if self.kv_cache_dtype == "fp8":
+            dtype = torch.uint8  # e4m3 bytes (index_copy_ of float8 tensors is not implemented on every device)
+            if self.kv_scales is None:
+                self.kv_scales = [(1.0, 1.0)] * num_layers
+            elif len(self.kv_scales) != num_layers:
+                raise ValueError(f"kv_scales: {len(self.kv_scales)} layers of scales for {num_layers} layers")
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -106,11 +123,28 @@ class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
             mask &= key_pos > query_pos - window
         return mask
 
-    def forward(self, layer_index, query, key, value, metadata: AttentionMetadata) -> torch.Tensor:
+    def _write(self, layer_index: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor):
+        """Store the new K/V (quantized for an FP8 cache); returns a reader of cache rows."""
         key_cache = self.key_cache[layer_index]
         value_cache = self.value_cache[layer_index]
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+        if self.kv_cache_dtype != "fp8":
+            key_cache.index_copy_(0, slots, key)
+            value_cache.index_copy_(0, slots, value)
+            return lambda rows: (key_cache.index_select(0, rows), value_cache.index_select(0, rows))
+        k_scale, v_scale = self.kv_scales[layer_index]
+        key_cache.index_copy_(0, slots, quantize_with_scale(key, k_scale).view(torch.uint8))
+        value_cache.index_copy_(0, slots, quantize_with_scale(value, v_scale).view(torch.uint8))
+        dtype = key.dtype
+
+        def read(rows: torch.Tensor):
+            k = key_cache.index_select(0, rows).view(FP8_DTYPE).to(torch.float32) * k_scale
+            v = value_cache.index_select(0, rows).view(FP8_DTYPE).to(torch.float32) * v_scale
+            return k.to(dtype), v.to(dtype)
+
+        return read
+
+    def forward(self, layer_index, query, key, value, metadata: AttentionMetadata) -> torch.Tensor:
+        read = self._write(layer_index, key, value, metadata.slot_mapping)
 
         output = torch.empty_like(query)
         decode = metadata.backend_data["decode"]
@@ -120,8 +154,9 @@ class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
             q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, head_dim]
             flat = slots.reshape(-1)
             # [batch, kv_heads, longest, head_dim]
-            k = key_cache.index_select(0, flat).view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = value_cache.index_select(0, flat).view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            k, v = read(flat)
+            k = k.view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, longest, self.num_kv_heads, self.head_dim).transpose(1, 2)
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
             output.index_copy_(0, token_index, attended.squeeze(2))
         for index, gather, mask in metadata.backend_data["others"]:
@@ -129,8 +164,9 @@ class TorchReferenceAttention(HostSwapMixin, AttentionBackend):
             end = seq.query_start + seq.query_len
             # [1, heads, q, head_dim] and [1, kv_heads, ctx, head_dim]
             q = query[seq.query_start : end].transpose(0, 1).unsqueeze(0)
-            k = key_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
-            v = value_cache.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            k, v = read(gather)
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
             if isinstance(mask, str):
                 attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
