@@ -29,7 +29,6 @@ from inflightllm.config import (
     EngineConfig,
 )
 from inflightllm.model_source import (
-    DTYPE_BYTES,
     DTYPES,
     QUANTIZATIONS,
     SOURCES,
@@ -511,6 +510,11 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
         reader.fail(
             "device.tensor_parallel_size", f"{tp} does not divide the model's {dims.num_heads} attention heads"
         )
+    if model.quantization == "fp8" and tp > 1 and engine.device == "gpu":
+        reader.fail(
+            "model.quantization",
+            f"fp8 runs on one GPU for now; device.tensor_parallel_size is {tp} (set it to 1, or drop fp8)",
+        )
     if model.max_model_len is not None and model.max_model_len > dims.max_position_embeddings:
         reader.fail(
             "model.max_model_len",
@@ -535,6 +539,7 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
                 "engine.kv_cache_bytes",
                 f"{engine.kv_cache_bytes} is too small for one request of max_input_length + "
                 f"max_output_len = {request_tokens} tokens: {block_tokens} tokens in blocks of "
-                f"{engine.block_size} at {bytes_per_token} bytes per token ({model.dtype}, KV cache {engine.kv_cache_dtype}) need "
+                f"{engine.block_size} at {bytes_per_token} bytes per token "
+                f"({model.dtype}{', KV cache fp8' if engine.kv_cache_dtype == 'fp8' else ''}) need "
                 f"{needed} bytes",
             )

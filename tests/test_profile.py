@@ -25,7 +25,7 @@ from inflightllm.profile import (
 
 ENGINE_KEYS = (
     "async_scheduling, batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, "
-    "kv_cache_bytes, max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, "
+    "kv_cache_bytes, kv_cache_dtype, max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, "
     "priority_levels, queue_policy, runner, step_timeout_s, stream_interval, swap_space_blocks"
 )
 
@@ -187,7 +187,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         ),
         (
             [("model.weights", "x")],
-            "model.weights: unknown key; allowed keys: dtype, file, max_model_len, package, path, seed, shape, source, tokenizer",
+            "model.weights: unknown key; allowed keys: dtype, file, max_model_len, package, path, quantization, seed, shape, source, tokenizer",
         ),
         (
             [("device.num_gpus", 1)],

@@ -241,6 +241,101 @@ __global__ void silu_and_mul_vec(T* __restrict__ out, const T* __restrict__ gate
     *reinterpret_cast<uint4*>(out + row * (long)width + j0) = ov;
 }
 
+// ---- FP8 (e4m3) activation quantization for torch._scaled_mm --------------------------------
+// Each kernel ends in a row of e4m3 values and the row's float32 scale amax / 448 (dynamic
+// per-token quantization), with the rounding of inflightllm/quantization/fp8.py: the values are
+// first rounded to T as the unfused ops would store them, then divided by the scale and
+// converted round-to-nearest-even with saturation (torch's clamp to +-448 then cast). One
+// block per row; the row is read again from L1/L2 instead of being held (rows are a few KiB).
+#define FP8_MAX 448.0f
+#define FP8_MIN_SCALE (1.0f / (448.0f * 512.0f))
+
+// Block-wide max of one non-negative float per thread (blockDim.x a multiple of 32).
+__device__ __forceinline__ float block_max(float value) {
+    __shared__ float partial_max[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffff, value, offset));
+    if (lane == 0) partial_max[warp] = value;
+    __syncthreads();
+    const int num_warps = blockDim.x >> 5;
+    value = (threadIdx.x < num_warps) ? partial_max[threadIdx.x] : 0.0f;
+    if (warp == 0) {
+        for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffff, value, offset));
+        if (lane == 0) partial_max[0] = value;
+    }
+    __syncthreads();
+    const float total = partial_max[0];
+    __syncthreads();
+    return total;
+}
+
+// Two floats -> two e4m3 bytes (lo in the low byte), round to nearest even, saturating (sm_89+).
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+    unsigned short packed;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+// Quantize the `width` values value(i) of this block's row into q (e4m3 bytes) with scale
+// amax / 448 written to *scale. width is even; value is called twice per element.
+template <typename F>
+__device__ __forceinline__ void quantize_row(unsigned char* __restrict__ q, float* __restrict__ scale, int width,
+                                             F value) {
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) amax = fmaxf(amax, fabsf(value(i)));
+    const float s = fmaxf(__fdiv_rn(block_max(amax), FP8_MAX), FP8_MIN_SCALE);
+    if (threadIdx.x == 0) *scale = s;
+    unsigned short* q2 = reinterpret_cast<unsigned short*>(q);
+    for (int p = threadIdx.x; p < width / 2; p += blockDim.x)
+        q2[p] = e4m3x2(__fdiv_rn(value(2 * p), s), __fdiv_rn(value(2 * p + 1), s));
+}
+
+// q[t], scale[t] = quantize(x[t]).
+template <typename T>
+__global__ void quant_rows_fp8(unsigned char* __restrict__ q, float* __restrict__ scale, const T* __restrict__ x,
+                               int width) {
+    const long row = blockIdx.x;
+    const T* xr = x + row * width;
+    quantize_row(q + row * width, scale + row, width, [&](int i) { return to_f<T>(xr[i]); });
+}
+
+// residual[t] = T(residual[t] + delta[t]) (no add where delta is null);
+// q[t], scale[t] = quantize(weight * rmsnorm(residual[t])): add_rms_norm / rms_norm, quantized.
+template <typename T>
+__global__ void add_rms_norm_fp8(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                 const T* __restrict__ delta, T* __restrict__ residual_io,
+                                 const T* __restrict__ weight, float eps, int hidden) {
+    const long row = blockIdx.x;
+    T* r = residual_io + row * hidden;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = to_f<T>(r[i]);
+        if (delta != nullptr) {
+            v = round_t<T>(__fadd_rn(v, to_f<T>(delta[row * hidden + i])));
+            r[i] = from_f<T>(v);
+        }
+        sum += v * v;
+    }
+    const float inv = rsqrtf(block_sum(sum) / hidden + eps);
+    quantize_row(q + row * hidden, scale + row, hidden, [&](int i) {
+        const float normed = round_t<T>(__fmul_rn(to_f<T>(r[i]), inv));
+        return round_t<T>(__fmul_rn(to_f<T>(weight[i]), normed));
+    });
+}
+
+// q[t], scale[t] = quantize(silu(gate[t]) * up[t]), gate_up[t] = [gate (width) | up (width)].
+template <typename T>
+__global__ void silu_and_mul_fp8(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                 const T* __restrict__ gate_up, int width) {
+    const long row = blockIdx.x;
+    const T* g = gate_up + row * 2 * (long)width;
+    quantize_row(q + row * width, scale + row, width, [&](int i) {
+        const float gv = to_f<T>(g[i]);
+        const float act = round_t<T>(gv / (1.0f + expf(-gv)));
+        return round_t<T>(__fmul_rn(act, to_f<T>(g[width + i])));
+    });
+}
+
 // ---- Small-batch decode kernels (M <= 8 tokens) ---------------------------------------------
 // At batch 1-8 a decode step is a chain of weight GEMVs with small kernels between them, and
 // inside a CUDA graph each small kernel costs a few microseconds of launch latency. These fold

@@ -23,12 +23,24 @@ from inflightllm.models.loader import (
     TORCH_DTYPES,
     LoadedModel,
     eos_token_ids,
+    read_quantized_tensors,
     sampleable_vocab_size,
 )
+from inflightllm.quantization.fp8 import FP8_DTYPE, quantize_per_channel
+from inflightllm.quantization.schemes import detect
 
 logger = logging.getLogger(__name__)
 
 SMALL_BATCH_ENV = "INFLIGHTLLM_SMALL_BATCH_KERNELS"
+FP8_FAST_ACCUM_ENV = "INFLIGHTLLM_FP8_FAST_ACCUM"
+# The fused linears that hold FP8 weights (with "<name>_scale" [1, N] float32 beside them),
+# and the checkpoint modules each is made of, in order.
+FP8_LINEARS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 SMALL_BATCH_MAX_TOKENS = 1
 
 
@@ -54,11 +66,25 @@ class GpuLlama:
     its attention heads and KV heads (q/k/v column-parallel), its slice of the
     intermediate size (gate/up column-parallel), o and down row-parallel (all-reduced,
     biases added on rank 0 only), and the vocab rows of its range (embedding masked and
-    all-reduced, LM head logits all-gathered). Without it, the whole model as before."""
+    all-reduced, LM head logits all-gathered). Without it, the whole model as before.
+
+    `quantization="fp8"`: the decoder linears hold e4m3 weights with per-output-channel
+    scales (quantized at load by `quantize_fp8`, or loaded so by `load_quantized`); each
+    GEMM is `torch._scaled_mm` with row-wise scales, its input quantized per token by the
+    kernel before it (add+RMSNorm, SiLU*mul, or a quantize pass after attention):
+    docs/QUANTIZATION.md."""
 
     def __init__(
-        self, arch: LlamaArch, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None
+        self, arch: LlamaArch, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None,
+        quantization: str | None = None,
     ):
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {quantization!r}: allowed None, 'fp8'")
+        if quantization == "fp8" and tp is not None:
+            raise ValueError("model.quantization fp8 runs on one GPU: tensor_parallel_size must be 1")
+        self.quantization = quantization
+        self.fp8 = False  # True once the linears hold FP8 weights
+        self.fp8_fast_accum = os.environ.get(FP8_FAST_ACCUM_ENV, "0").strip() in ("1", "on", "true", "yes")
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -75,7 +101,8 @@ class GpuLlama:
         hidden, inter = arch.hidden_size, self.intermediate_size
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        self.small_batch_kernels = small_batch_kernels_enabled(dtype)
+        # FP8 weights take torch._scaled_mm at every batch size (no FP8 small-batch kernels yet).
+        self.small_batch_kernels = small_batch_kernels_enabled(dtype) and quantization is None
         # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
         # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 2).
         self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
@@ -224,6 +251,116 @@ class GpuLlama:
         if missing:
             raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
 
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """FP8 at load: each fused linear's weight becomes e4m3 with per-output-channel
+        scales (quantization.fp8.quantize_per_channel, row by row of the fused weight: the
+        same values as quantizing q, k, v or gate, up one by one). Frees the 16-bit copies."""
+        if self.fp8:
+            return
+        for layer in self.layers:
+            for name in FP8_LINEARS:
+                weight_q, scale = quantize_per_channel(layer[name])
+                layer[name] = weight_q
+                layer[name + "_scale"] = scale.view(1, -1).contiguous()
+        self.fp8 = True
+        torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def load_quantized(self, folder, scheme) -> list[tuple[float, float]] | None:
+        """A pre-quantized FP8 checkpoint (quantization.schemes) as published: its e4m3
+        weights and their scales (per tensor or per channel, as per-channel vectors) go into
+        the fused linears; a decoder linear the scheme leaves unquantized is quantized per
+        channel here. Returns the per-layer K/V cache scales, or None."""
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+        plain, weights, scales, kv_scales = read_quantized_tensors(files, scheme, self.arch.num_layers)
+        expected = self.hf_state_dict()
+        loaded: set[str] = set()
+        for name, tensor in plain.items():
+            if name not in expected:
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+                    continue
+                raise KeyError(f"unexpected weight {name!r} for this architecture in {folder}")
+            expected[name].copy_(tensor.to(self.device))
+            loaded.add(name)
+        for index, layer in enumerate(self.layers):
+            for fused, modules in FP8_LINEARS.items():
+                parts, part_scales = [], []
+                for module in modules:
+                    full = f"model.layers.{index}.{module}"
+                    if full in weights:
+                        parts.append(weights[full].to(self.device).view(torch.uint8))
+                        part_scales.append(scales[full].to(self.device, torch.float32))
+                    elif full + ".weight" in loaded:  # left unquantized by the checkpoint
+                        weight_q, scale = quantize_per_channel(expected[full + ".weight"])
+                        parts.append(weight_q.view(torch.uint8))
+                        part_scales.append(scale)
+                    else:
+                        raise KeyError(f"weights missing from {folder}: {full}.weight")
+                    loaded.add(full + ".weight")
+                layer[fused] = torch.cat(parts).view(FP8_DTYPE).contiguous()
+                layer[fused + "_scale"] = torch.cat(part_scales).view(1, -1).contiguous()
+        missing = set(expected) - loaded
+        if missing:
+            raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+        self.fp8 = True
+        torch.cuda.empty_cache()
+        return kv_scales
+
+    def _fp8_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor, layer: dict, name: str,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """x_q [M, K] e4m3 with scales [M, 1] times layer[name] [N, K] e4m3 with channel scales
+        [1, N] -> [M, N] in the model's dtype (row-wise scaled GEMMs give bf16 out)."""
+        out = torch._scaled_mm(
+            x_q, layer[name].t(), scale_a=x_scale, scale_b=layer[name + "_scale"],
+            bias=bias if self.dtype == torch.bfloat16 else None, out_dtype=torch.bfloat16,
+            use_fast_accum=self.fp8_fast_accum,
+        )
+        if self.dtype != torch.bfloat16:
+            out = out.to(self.dtype)
+            if bias is not None:
+                out += bias
+        return out
+
+    def _forward_fp8(self, residual: torch.Tensor, positions: torch.Tensor, attention, metadata) -> torch.Tensor:
+        """`forward` with FP8 linears: the residual stream and attention stay in the model's
+        dtype; each GEMM's input is quantized per token by the kernel that produces it."""
+        eps = self.arch.rms_norm_eps
+        num_tokens = residual.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.arch.head_dim
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+
+        def rows(width: int):
+            return (torch.empty(num_tokens, width, dtype=FP8_DTYPE, device=self.device),
+                    torch.empty(num_tokens, 1, dtype=torch.float32, device=self.device))
+
+        x_q, x_scale = rows(self.arch.hidden_size)
+        a_q, a_scale = rows(self.q_size)
+        g_q, g_scale = rows(self.intermediate_size)
+        delta = None  # the last o/down output, not yet added to the residual
+        for index, layer in enumerate(self.layers):
+            ops.add_rms_norm_fp8(x_q, x_scale, delta, residual, layer["input_norm"], eps)
+            qkv = self._fp8_mm(x_q, x_scale, layer, "qkv", layer.get("qkv_bias"))
+            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+            ops.rotary(q, k, positions, self.cos_sin, heads, kv_heads, head_dim)
+            attended = attention.forward(
+                index,
+                q.view(num_tokens, heads, head_dim),
+                k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim),
+                metadata,
+            )
+            ops.quant_rows_fp8(a_q, a_scale, attended.reshape(num_tokens, self.q_size).contiguous())
+            delta = self._fp8_mm(a_q, a_scale, layer, "o", layer.get("o_bias"))
+            ops.add_rms_norm_fp8(x_q, x_scale, delta, residual, layer["post_norm"], eps)
+            gate_up = self._fp8_mm(x_q, x_scale, layer, "gate_up", layer.get("gate_up_bias"))
+            ops.silu_and_mul_fp8(g_q, g_scale, gate_up)
+            delta = self._fp8_mm(g_q, g_scale, layer, "down", layer.get("down_bias"))
+        ops.add_rms_norm(delta, residual, self.final_norm, eps)
+        return delta
+
     # ---- forward ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, metadata) -> torch.Tensor:
@@ -234,6 +371,8 @@ class GpuLlama:
         num_tokens = input_ids.shape[0]
         tp = self.tp
         residual = self._embed(input_ids)
+        if self.fp8:
+            return self._forward_fp8(residual, positions, attention, metadata)
         if (self.small_batch_kernels and num_tokens <= self.small_batch_max_tokens
                 and ops.small_batch_ok(num_tokens, arch.hidden_size, self.dtype)):
             return self._forward_small(residual, positions, attention, metadata)
@@ -383,22 +522,36 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     folder = prepare(spec)
     hf_config = json.loads((folder / "config.json").read_text())
     arch = LlamaArch.from_config(hf_config)
+    scheme = detect(folder, hf_config) if spec.source == "hf_folder" else None
+    quantization = "fp8" if scheme is not None or spec.quantization == "fp8" else None
+    if quantization and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
+        raise ValueError(
+            "model.quantization fp8 (or an FP8 checkpoint) runs on one GPU for now: "
+            "set engine.tensor_parallel_size to 1"
+        )
     if tp is None and getattr(config, "tensor_parallel_size", 1) > 1:
         return LoadedModel(
             model=None, arch=arch, config=hf_config, folder=folder,
             eos_token_ids=eos_token_ids(folder, hf_config), dtype=dtype, device=device, spec=spec,
         )
-    model = GpuLlama(arch, dtype, device, max_positions=model_len(spec, arch, config), tp=tp)
+    model = GpuLlama(arch, dtype, device, max_positions=model_len(spec, arch, config), tp=tp,
+                     quantization=quantization)
     model.sampleable_vocab_size = sampleable_vocab_size(folder, arch.vocab_size)
+    kv_scales = None
     if spec.source == "random":
         model.init_random(spec.seed)
+    elif scheme is not None:
+        kv_scales = model.load_quantized(folder, scheme)
     else:
         model.load_safetensors(folder)
+    if quantization == "fp8":
+        model.quantize_fp8()
     torch.cuda.synchronize(device)
     size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
     logger.info(
-        "model on %s: %s, %.2f GiB of weights%s", device, spec.dtype, size / 2**30,
-        f" (tensor-parallel rank {tp.rank} of {tp.world_size})" if tp is not None else "",
+        "model on %s: %s%s, %.2f GiB of weights%s", device, spec.dtype,
+        f" with FP8 e4m3 linears ({scheme.method if scheme else 'quantized at load'})" if quantization else "",
+        size / 2**30, f" (tensor-parallel rank {tp.rank} of {tp.world_size})" if tp is not None else "",
     )
     return LoadedModel(
         model=model,
@@ -409,4 +562,6 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
         dtype=dtype,
         device=device,
         spec=spec,
+        quantization=quantization,
+        kv_scales=kv_scales,
     )

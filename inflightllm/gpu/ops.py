@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-KERNELS = ("rms_norm", "add_rms_norm", "add_rms_norm_vec", "rotary", "rotary_vec", "silu_and_mul", "silu_and_mul_vec")
+KERNELS = (
+    "rms_norm", "add_rms_norm", "add_rms_norm_vec", "rotary", "rotary_vec", "silu_and_mul", "silu_and_mul_vec",
+    "quant_rows_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8",
+)
 _ADD_NORM_NPT = 4  # ADD_NORM_NPT in layers.cu: 16-byte chunks a thread of add_rms_norm_vec holds
 
 
@@ -191,6 +194,55 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
             (blocks,), (256,), (_ptr(out), _ptr(gate_up), np.int32(width), np.int64(total))
         )
     return out
+
+
+# ---- FP8 activation quantization (layers.cu, "FP8 (e4m3) activation quantization") ------------
+# Each writes e4m3 rows `q` [tokens, width] (torch.float8_e4m3fn) and float32 per-row scales
+# `scale` [tokens, 1], as inflightllm.quantization.fp8.quantize_per_token would from the rows
+# the unfused ops compute, for torch._scaled_mm's row-wise scaling.
+
+def _check_fp8_out(q: torch.Tensor, scale: torch.Tensor, tokens: int, width: int) -> None:
+    if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (tokens, width) or not q.is_contiguous():
+        raise ValueError(f"fp8 rows: need a contiguous float8_e4m3fn [{tokens}, {width}], got {q.dtype} {tuple(q.shape)}")
+    if scale.dtype != torch.float32 or scale.numel() != tokens or not scale.is_contiguous():
+        raise ValueError(f"fp8 scales: need {tokens} contiguous float32, got {scale.dtype} {tuple(scale.shape)}")
+    if width % 2:
+        raise ValueError(f"fp8 rows: width {width} must be even")
+
+
+def quant_rows_fp8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """q, scale = quantize_per_token(x); x [tokens, width] contiguous."""
+    tokens, width = x.shape
+    _check_fp8_out(q, scale, tokens, width)
+    if tokens:
+        _kernel("quant_rows_fp8", x.dtype, x.device.index)(
+            (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(x), np.int32(width))
+        )
+
+
+def add_rms_norm_fp8(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor | None, residual: torch.Tensor,
+                     weight: torch.Tensor, eps: float) -> None:
+    """residual += delta (unless None); q, scale = quantize_per_token(weight * rmsnorm(residual))."""
+    tokens, width = residual.shape
+    _check_fp8_out(q, scale, tokens, width)
+    if delta is not None and (delta.shape != residual.shape or not delta.is_contiguous()):
+        raise ValueError(f"delta: need a contiguous {tuple(residual.shape)}, got {tuple(delta.shape)}")
+    if tokens:
+        _kernel("add_rms_norm_fp8", residual.dtype, residual.device.index)(
+            (tokens,), (_threads(min(width // 2, 1024)),),
+            (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
+        )
+
+
+def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """q, scale = quantize_per_token(silu(gate_up[:, :width]) * gate_up[:, width:])."""
+    tokens, double = gate_up.shape
+    width = double // 2
+    _check_fp8_out(q, scale, tokens, width)
+    if tokens:
+        _kernel("silu_and_mul_fp8", gate_up.dtype, gate_up.device.index)(
+            (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
+        )
 
 
 # ---- Small-batch decode kernels (layers.cu, "Small-batch decode kernels") --------------------
