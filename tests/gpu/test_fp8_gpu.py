@@ -1,0 +1,199 @@
+"""FP8 on the GPU against the CPU-defined emulation (inflightllm.quantization.fp8).
+
+- The activation-quantizing kernels (add+RMSNorm, SiLU*mul, plain rows) against torch ops
+  followed by `quantize_per_token`: the same e4m3 bytes and scales (but for rare
+  one-step roundings where the sum of squares is added in another order).
+- `torch._scaled_mm` with our scales against `fp8.linear`.
+- The FP8 engine (weights quantized at load) against transformers with the same e4m3
+  weights as `Fp8Linear` modules (the emulation): greedy ids equal, or our token within
+  the emulation's top-5 where they first differ.
+- A compressed-tensors checkpoint loads on the GPU with the weights the CPU loader reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from inflightllm.engine import Engine  # noqa: E402
+from inflightllm.quantization.fp8 import (  # noqa: E402
+    FP8_DTYPE,
+    Fp8Linear,
+    linear,
+    quantize_per_channel,
+    quantize_per_token,
+)
+from tests.gpu.test_gpu_engine import gpu_config, make_prompts, model_spec, run  # noqa: E402
+
+
+def _rows(tokens: int, width: int):
+    return (torch.empty(tokens, width, dtype=FP8_DTYPE, device="cuda"),
+            torch.empty(tokens, 1, dtype=torch.float32, device="cuda"))
+
+
+def _assert_same_quantization(q, scale, ref_q, ref_scale, min_equal=0.999):
+    assert torch.allclose(scale, ref_scale, rtol=2e-6, atol=0), (scale - ref_scale).abs().max()
+    equal = float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean())
+    assert equal >= min_equal, equal
+    # where bytes differ, by one e4m3 step at most
+    assert float((q.float() - ref_q.float()).abs().max()) <= float(ref_q.float().abs().max()) / 8
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_activation_quantizing_kernels_match_torch(tokens):
+    from inflightllm.gpu import ops
+    from inflightllm.models.llama import RMSNorm
+
+    torch.manual_seed(tokens)
+    hidden, inter, eps = 4096, 1536, 1e-5
+    dtype = torch.bfloat16
+    residual = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    delta = torch.randn(tokens, hidden, dtype=dtype, device="cuda") * 0.5
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    norm = RMSNorm(hidden, eps).to("cuda", dtype)
+    norm.weight.data.copy_(weight)
+    expected_residual = residual + delta
+    ref_q, ref_scale = quantize_per_token(norm(expected_residual))
+    q, scale = _rows(tokens, hidden)
+    ours = residual.clone()
+    with ops.torch_stream():
+        ops.add_rms_norm_fp8(q, scale, delta, ours, weight, eps)
+    torch.cuda.synchronize()
+    assert torch.equal(ours, expected_residual)
+    _assert_same_quantization(q, scale, ref_q, ref_scale)
+    # no add (the first layer's norm)
+    ref_q, ref_scale = quantize_per_token(norm(residual))
+    with ops.torch_stream():
+        ops.add_rms_norm_fp8(q, scale, None, residual, weight, eps)
+    _assert_same_quantization(q, scale, ref_q, ref_scale)
+
+    gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda") * 2
+    ref_q, ref_scale = quantize_per_token(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    q, scale = _rows(tokens, inter)
+    with ops.torch_stream():
+        ops.silu_and_mul_fp8(q, scale, gate_up)
+    _assert_same_quantization(q, scale, ref_q, ref_scale)
+
+    x = torch.randn(tokens, 960, dtype=dtype, device="cuda")
+    x[0, 5] = 1e4  # saturation-free: the row's amax maps to 448
+    ref_q, ref_scale = quantize_per_token(x)
+    q, scale = _rows(tokens, 960)
+    with ops.torch_stream():
+        ops.quant_rows_fp8(q, scale, x)
+    _assert_same_quantization(q, scale, ref_q, ref_scale, min_equal=1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256, 2048])
+def test_scaled_mm_matches_the_emulated_linear(rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(1024, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
+    weight_q, weight_scale = quantize_per_channel(weight)
+    x_q, x_scale = quantize_per_token(x)
+    for fast in (False, True):
+        ours = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                out_dtype=torch.bfloat16, use_fast_accum=fast).float()
+        expected = linear(x.float(), weight_q, weight_scale)
+        error = float((ours - expected).norm() / expected.norm())
+        assert error < (2e-3 if not fast else 5e-3), (fast, error)
+
+
+class Fp8Reference:
+    """transformers' Llama on the GPU with the FP8 engine's weights: the 16-bit tensors as
+    they are, each decoder linear an `Fp8Linear` over the engine's e4m3 rows and scales."""
+
+    def __init__(self, engine: Engine):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from inflightllm.gpu.model import FP8_LINEARS
+
+        loaded = engine.loaded
+        gpu = loaded.model
+        config = LlamaConfig(**{k: v for k, v in loaded.config.items() if k not in ("architectures",)})
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(loaded.dtype)
+        try:
+            with torch.device(loaded.device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        plain = {name: t for name, t in gpu.hf_state_dict().items() if t.dtype != FP8_DTYPE}
+        model.load_state_dict(plain, strict=False)
+        q, kv, inter = gpu.q_size, gpu.kv_size, gpu.intermediate_size
+        splits = {"qkv": (q, kv, kv), "o": (None,), "gate_up": (inter, inter), "down": (None,)}
+        for index, layer in enumerate(gpu.layers):
+            block = model.model.layers[index]
+            for fused, modules in FP8_LINEARS.items():
+                sizes = splits[fused]
+                weights = [layer[fused]] if sizes == (None,) else torch.split(layer[fused].view(torch.uint8), sizes)
+                scales = [layer[fused + "_scale"][0]] if sizes == (None,) else torch.split(layer[fused + "_scale"][0], sizes)
+                for module, w, s in zip(modules, weights, scales):
+                    parent, leaf = module.split(".")
+                    setattr(getattr(block, parent), leaf, Fp8Linear(w.view(FP8_DTYPE).contiguous(), s.contiguous()))
+        self.model = model.eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt], device=self.model.device)
+        return self.model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+            pad_token_id=0, eos_token_id=None,
+        )[0, len(prompt):].tolist()
+
+    @torch.inference_mode()
+    def top_ids(self, tokens: list[int], k: int = 5) -> list[int]:
+        logits = self.model(torch.tensor([tokens], device=self.model.device)).logits[0, -1].float()
+        return torch.topk(logits, k).indices.tolist()
+
+
+def test_fp8_engine_follows_the_emulation():
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8")
+    engine = Engine(spec, gpu_config(), sampler_seed=0)
+    assert engine.loaded.quantization == "fp8" and engine.loaded.model.fp8
+    assert engine.loaded.model.layers[0]["qkv"].dtype == FP8_DTYPE
+    reference = Fp8Reference(engine)
+    prompts = make_prompts(8, engine.vocab_size, seed=9)
+    results = run(engine, prompts, [24] * 8, [0, 0, 1, 1, 2, 3, 3, 4])
+    equal = 0
+    for prompt, result in zip(prompts, results):
+        expected = reference.greedy(prompt, 24)
+        if result.token_ids == expected:
+            equal += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b)
+        assert result.token_ids[first] in reference.top_ids(prompt + expected[:first], 5), (
+            f"ours {result.token_ids[first]} not in the emulation's top-5 at output position {first}"
+        )
+    print(f"fp8: {equal} of {len(prompts)} sequences equal the emulation's greedy ids; the rest within top-5")
+    assert equal >= len(prompts) // 2
+
+
+def test_compressed_tensors_checkpoint_loads_on_the_gpu(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from inflightllm.model_source import ModelSpec
+    from inflightllm.models.loader import load_model
+    from inflightllm.models.shapes import shape_config
+    from tests import fp8_checkpoints as ckpt
+
+    config = AutoConfig.for_model(**dict(shape_config("tiny-llama3"), initializer_range=0.25))
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
+    folder = ckpt.write_compressed_tensors(tmp_path / "base", tmp_path / "ct", strategy="tensor", kv=True)
+    spec = ModelSpec(source="hf_folder", path=str(folder), dtype="bfloat16")
+    engine = Engine(spec, gpu_config(max_num_tokens=512, max_input_length=256, max_output_len=64), sampler_seed=0)
+    cpu = load_model(spec)
+    gpu = engine.loaded.model
+    assert engine.loaded.kv_scales == [ckpt.KV_SCALES] * 2
+    q, kv = gpu.q_size, gpu.kv_size
+    for index, layer in enumerate(gpu.layers):
+        k_rows = layer["qkv"].view(torch.uint8)[q : q + kv].cpu()
+        module = cpu.model.get_submodule(f"model.layers.{index}.self_attn.k_proj")
+        assert torch.equal(k_rows, module.weight.view(torch.uint8))
+        assert torch.equal(layer["qkv_scale"][0, q : q + kv].cpu(), module.weight_scale)
+    results = run(engine, make_prompts(4, engine.vocab_size, seed=2), [8] * 4)
+    assert all(len(r.token_ids) == 8 for r in results)
