@@ -277,22 +277,25 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                         help="leaves room for the transformers model on the same GPU")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--quantization", default=None, choices=(None, "fp8"), help="model.quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="engine.kv_cache_dtype")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
-    spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype)
+    spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype, quantization=args.quantization)
     long_input = 32768 if "long" in sections else 4096
     config = EngineConfig(
         device="gpu", gpu_ids=(0,), max_num_tokens=args.max_num_tokens, max_input_length=long_input,
         max_output_len=4096, gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=True,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=args.max_batch_size, kv_cache_dtype=args.kv_cache_dtype,
     )
     start = time.perf_counter()
     engine = Engine(spec, config, sampler_seed=0)
     report: dict = {
-        "shape": args.shape, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
+        "shape": args.shape, "dtype": args.dtype, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"), "engine_start_s": round(time.perf_counter() - start, 1),
         "kv_blocks": engine.runner.num_blocks, "kv_gib": round(engine.runner.kv_cache_bytes / 2**30, 2),
         "cuda_graph_buckets": sorted(engine.runner.graphs),

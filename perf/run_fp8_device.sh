@@ -4,7 +4,7 @@
 #
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
-# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,rows) change what runs.
+# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,rows) change what runs.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 TESTS="${TESTS:-tests/gpu/test_fp8_gpu.py}"
@@ -21,6 +21,10 @@ case ",$SKIP," in *,tests,*) ;; *)
 esac
 case ",$SKIP," in *,ppl,*) ;; *)
   step perplexity 200 "$PY" -m perf.perplexity --device gpu --variants "$PPL_VARIANTS" --out "$OUT/perplexity.json" ;;
+esac
+case ",$SKIP," in *,decode,*) ;; *)
+  step decode_fp8 200 "$PY" perf/bench_gpu.py --sections decode --batches 1,32,256 --no-transformers \
+    --quantization fp8 --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 --out "$OUT/decode_fp8.json" ;;
 esac
 case ",$SKIP," in *,rows,*) ;; *)
   step bench_rows 420 "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \
