@@ -361,13 +361,37 @@ __device__ __forceinline__ void unpack(const uint4& v, float* f, float) {
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
 }
 
-// The U x R 16-byte weight chunks of a batch at chunk c (lane-strided by 32), streaming loads.
-template <typename T, int R, int U>
-__device__ __forceinline__ void load_batch(uint4 (&w)[U][R], const T* const* rows, int c) {
+// FP8 weights (WT = unsigned char: e4m3 bytes): a chunk is the 8 bytes of the 8 weights that
+// meet one 16-byte chunk of 16-bit activations, converted in registers (cvt f16x2.e4m3x2: exact),
+// the row's channel scale applied to the finished dot product. More chunks in flight (U) than
+// for 16-bit weights: the same bytes in flight per lane.
+template <typename T, typename WT> struct WChunk { using type = uint4; static constexpr int U = 4; };
+template <typename T> struct WChunk<T, unsigned char> { using type = uint2; static constexpr int U = 8; };
+
+__device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
+    const unsigned int words[2] = {v.x, v.y};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        unsigned int lo, hi;
+        asm("{ .reg .b16 a, b;\n\t mov.b32 {a, b}, %2;\n\t cvt.rn.f16x2.e4m3x2 %0, a;\n\t cvt.rn.f16x2.e4m3x2 %1, b; }"
+            : "=r"(lo), "=r"(hi) : "r"(words[k]));
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        f[4 * k] = a.x; f[4 * k + 1] = a.y; f[4 * k + 2] = b.x; f[4 * k + 3] = b.y;
+    }
+}
+template <typename T> __device__ __forceinline__ void unpack_w(const uint4& v, float* f) { unpack(v, f, T()); }
+template <typename T> __device__ __forceinline__ void unpack_w(const uint2& v, float* f) { unpack_e4m3x8(v, f); }
+__device__ __forceinline__ void pin(uint4& w) { asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w)); }
+__device__ __forceinline__ void pin(uint2& w) { asm volatile("" : "+r"(w.x), "+r"(w.y)); }
+
+// The U x R weight chunks of a batch at chunk c (lane-strided by 32), streaming loads.
+template <typename C, int R, int U, typename WT>
+__device__ __forceinline__ void load_batch(C (&w)[U][R], const WT* const* rows, int c) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int r = 0; r < R; ++r) w[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r]) + c + 32 * u);
+        for (int r = 0; r < R; ++r) w[u][r] = __ldcs(reinterpret_cast<const C*>(rows[r]) + c + 32 * u);
 }
 
 // Whether the lane's batch at chunk c is whole (the unrolled loop); the rest goes chunk by chunk.
@@ -378,27 +402,26 @@ __device__ __forceinline__ bool whole_batch(int c, int chunks) { return c + 32 *
 // rows[r] point at the R weight rows, x at `count` rows of K values (shared or global memory).
 // The caller has loaded the first batch into w (load_batch at c = lane, if whole_batch): the
 // norm kernels issue it before their prologue so that memory is busy while they normalize.
-template <typename T, int M, int R, int U>
-__device__ __forceinline__ void warp_dot(const T* const* rows, const T* x, int count, int K, float (&acc)[R][M],
-                                         uint4 (&w)[U][R]) {
+template <typename T, int M, int R, int U, typename WT, typename C>
+__device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int count, int K, float (&acc)[R][M],
+                                         C (&w)[U][R]) {
     constexpr int VEC = 16 / sizeof(T);
     const int lane = threadIdx.x & 31;
     const int chunks = K / VEC;
     int c = lane;
     for (bool first = true; whole_batch<U>(c, chunks); c += 32 * U, first = false) {
-        if (!first) load_batch<T, R, U>(w, rows, c);
+        if (!first) load_batch<C, R, U>(w, rows, c);
         // All U*R loads of the batch stay in flight together: without this, ptxas may
         // interleave each load with the FMAs of the one before.
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-                asm volatile("" : "+r"(w[u][r].x), "+r"(w[u][r].y), "+r"(w[u][r].z), "+r"(w[u][r].w));
+            for (int r = 0; r < R; ++r) pin(w[u][r]);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             float wf[R][VEC];
 #pragma unroll
-            for (int r = 0; r < R; ++r) unpack(w[u][r], wf[r], T());
+            for (int r = 0; r < R; ++r) unpack_w<T>(w[u][r], wf[r]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 if (m >= count) break;
@@ -415,7 +438,7 @@ __device__ __forceinline__ void warp_dot(const T* const* rows, const T* x, int c
     for (; c < chunks; c += 32) {
         float wf[R][VEC];
 #pragma unroll
-        for (int r = 0; r < R; ++r) unpack(__ldcs(reinterpret_cast<const uint4*>(rows[r]) + c), wf[r], T());
+        for (int r = 0; r < R; ++r) unpack_w<T>(__ldcs(reinterpret_cast<const C*>(rows[r]) + c), wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if (m >= count) break;
@@ -583,10 +606,11 @@ __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ resid
 // (i, i + head_dim/2) of a q, k or v head (RoPE rotates those two; v pairs are written as is);
 // with a slot_mapping, k and v are written to the paged KV cache too.
 // Dynamic shared memory: M * K * sizeof(T).
-template <typename T, int M>
+template <typename T, typename WT, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
         T* __restrict__ qkv, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
-        const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
+        const T* __restrict__ norm_weight, const WT* __restrict__ W, const float* __restrict__ wscale,
+        const T* __restrict__ bias,
         const long* __restrict__ positions, const T* __restrict__ cos_sin,
         const long* __restrict__ slot_mapping, T* __restrict__ key_cache, T* __restrict__ value_cache,
         int num_heads, int num_kv_heads, int head_dim, int count, int K, float eps) {
@@ -597,9 +621,11 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int head = unit / half, i = unit % half;
     const long row1 = (long)head * head_dim + i, row2 = row1 + half;
-    const T* rows[2] = {W + row1 * K, W + row2 * K};
-    uint4 w[4][2];
-    if (unit < units && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    const WT* rows[2] = {W + row1 * K, W + row2 * K};
+    constexpr int U = WChunk<T, WT>::U;
+    typename WChunk<T, WT>::type w[U][2];
+    if (unit < units && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
+        load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     uint4 wpre[NPRE];
     prefetch_norm_weight<T>(wpre, norm_weight, K);
     // The epilogue's inputs that no kernel of the step writes (the positions and slots were
@@ -627,8 +653,13 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
-    warp_dot<T, M, 2, 4>(rows, xs, count, K, acc, w);
+    warp_dot<T, M, 2, U>(rows, xs, count, K, acc, w);
     if ((threadIdx.x & 31) != 0) return;
+    if (wscale != nullptr) {
+        const float s1 = wscale[row1], s2 = wscale[row2];
+#pragma unroll
+        for (int m = 0; m < M; ++m) { acc[0][m] *= s1; acc[1][m] *= s2; }
+    }
     const long width = (long)(num_heads + 2 * num_kv_heads) * head_dim;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -663,17 +694,20 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
 
 // act[m, j] = silu(gate_j . x[m]) * (up_j . x[m]) with x[m] = rmsnorm(residual_in[m] + delta[m]);
 // W = [gate (inter rows) | up (inter rows)]; one warp per j. Dynamic shared memory: M * K * sizeof(T).
-template <typename T, int M>
+template <typename T, typename WT, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
         T* __restrict__ act, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
-        const T* __restrict__ norm_weight, const T* __restrict__ W, const T* __restrict__ bias,
+        const T* __restrict__ norm_weight, const WT* __restrict__ W, const float* __restrict__ wscale,
+        const T* __restrict__ bias,
         int inter, int count, int K, float eps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* xs = reinterpret_cast<T*>(smem_raw);
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const T* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
-    uint4 w[4][2];
-    if (j < inter && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    const WT* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
+    constexpr int U = WChunk<T, WT>::U;
+    typename WChunk<T, WT>::type w[U][2];
+    if (j < inter && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
+        load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     uint4 wpre[NPRE];
     prefetch_norm_weight<T>(wpre, norm_weight, K);
     pdl_trigger();
@@ -683,8 +717,13 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
-    warp_dot<T, M, 2, 4>(rows, xs, count, K, acc, w);
+    warp_dot<T, M, 2, U>(rows, xs, count, K, acc, w);
     if ((threadIdx.x & 31) != 0) return;
+    if (wscale != nullptr) {
+        const float s1 = wscale[j], s2 = wscale[inter + j];
+#pragma unroll
+        for (int m = 0; m < M; ++m) { acc[0][m] *= s1; acc[1][m] *= s2; }
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         if (m >= count) break;
@@ -702,9 +741,10 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
 // x read from global memory (L1-cached). With `fused` (bases not null), `out` gets the rows
 // summed over the ranks ("The all-reduce fused into the small-batch GEMVs"; N even, and
 // 2 * N * count * sizeof(T) bytes must fit a slot).
-template <typename T, int M>
+template <typename T, typename WT, int M>
 __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
-        T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias, int N, int count, int K,
+        T* __restrict__ out, const T* __restrict__ x, const WT* __restrict__ W, const float* __restrict__ wscale,
+        const T* __restrict__ bias, int N, int count, int K,
         const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,
         int fused_rank, int fused_world) {
     const Fused fused{fused_bases, fused_abort, fused_slots, fused_rank, fused_world};
@@ -712,15 +752,22 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
     const bool active = n < N;
     pdl_trigger();
     const bool pair = n + 1 < N;
-    const T* rows[2] = {W + (long)(active ? n : 0) * K, W + (long)(pair ? n + 1 : (active ? n : 0)) * K};
-    uint4 w[4][2];
-    if (active && whole_batch<4>(threadIdx.x & 31, K / (16 / (int)sizeof(T)))) load_batch<T, 2, 4>(w, rows, threadIdx.x & 31);
+    const WT* rows[2] = {W + (long)(active ? n : 0) * K, W + (long)(pair ? n + 1 : (active ? n : 0)) * K};
+    constexpr int U = WChunk<T, WT>::U;
+    typename WChunk<T, WT>::type w[U][2];
+    if (active && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
+        load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     pdl_wait();  // x comes from the kernel before
     if (!active && fused.bases == nullptr) return;
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc[0][m] = 0.0f; acc[1][m] = 0.0f; }
-    if (active) warp_dot<T, M, 2, 4>(rows, x, count, K, acc, w);
+    if (active) warp_dot<T, M, 2, U>(rows, x, count, K, acc, w);
+    if (active && wscale != nullptr) {
+        const float s1 = wscale[n], s2 = wscale[pair ? n + 1 : n];
+#pragma unroll
+        for (int m = 0; m < M; ++m) { acc[0][m] *= s1; acc[1][m] *= s2; }
+    }
     const unsigned long long epoch = fused.bases != nullptr ? fused_header(fused)[0] + 1 : 0;
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll

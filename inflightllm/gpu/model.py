@@ -101,8 +101,8 @@ class GpuLlama:
         hidden, inter = arch.hidden_size, self.intermediate_size
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        # FP8 weights take torch._scaled_mm at every batch size (no FP8 small-batch kernels yet).
-        self.small_batch_kernels = small_batch_kernels_enabled(dtype) and quantization is None
+        # With FP8 weights too: the small-batch kernels read e4m3 rows (dequantized in registers).
+        self.small_batch_kernels = small_batch_kernels_enabled(dtype)
         # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
         # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 2).
         self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
@@ -371,11 +371,11 @@ class GpuLlama:
         num_tokens = input_ids.shape[0]
         tp = self.tp
         residual = self._embed(input_ids)
-        if self.fp8:
-            return self._forward_fp8(residual, positions, attention, metadata)
         if (self.small_batch_kernels and num_tokens <= self.small_batch_max_tokens
                 and ops.small_batch_ok(num_tokens, arch.hidden_size, self.dtype)):
             return self._forward_small(residual, positions, attention, metadata)
+        if self.fp8:
+            return self._forward_fp8(residual, positions, attention, metadata)
         hidden = torch.empty_like(residual)
         ops.rms_norm(hidden, residual, self.layers[0]["input_norm"], eps)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, arch.head_dim
@@ -450,7 +450,8 @@ class GpuLlama:
             ops.qkv_norm_rope(
                 qkv, residual, delta, spare, layer["input_norm"], layer["qkv"], layer.get("qkv_bias"),
                 positions, self.cos_sin, heads, kv_heads, head_dim, eps,
-                *((slots, caches[0][index], caches[1][index]) if kv_in_kernel else ()),
+                *((slots, caches[0][index], caches[1][index]) if kv_in_kernel else (None, None, None)),
+                weight_scale=layer.get("qkv_scale"),
             )
             if delta is not None:
                 residual, spare = spare, residual
@@ -465,18 +466,19 @@ class GpuLlama:
             delta = ops.small_gemv(
                 torch.empty(num_tokens, hidden_size, dtype=self.dtype, device=self.device),
                 attended.reshape(num_tokens, self.q_size).contiguous(), layer["o"],
-                layer.get("o_bias") if row_bias else None, fused=fused,
+                layer.get("o_bias") if row_bias else None, fused=fused, weight_scale=layer.get("o_scale"),
             )
             if tp is not None and fused is None:
                 tp.all_reduce(delta)
             activated = torch.empty(num_tokens, self.intermediate_size, dtype=self.dtype, device=self.device)
             ops.gate_up_norm_silu(
-                activated, residual, delta, spare, layer["post_norm"], layer["gate_up"], layer.get("gate_up_bias"), eps
+                activated, residual, delta, spare, layer["post_norm"], layer["gate_up"], layer.get("gate_up_bias"), eps,
+                weight_scale=layer.get("gate_up_scale"),
             )
             residual, spare = spare, residual
             delta = ops.small_gemv(
                 torch.empty(num_tokens, hidden_size, dtype=self.dtype, device=self.device), activated, layer["down"],
-                layer.get("down_bias") if row_bias else None, fused=fused,
+                layer.get("down_bias") if row_bias else None, fused=fused, weight_scale=layer.get("down_scale"),
             )
             if tp is not None and fused is None:
                 tp.all_reduce(delta)

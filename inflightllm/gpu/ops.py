@@ -253,12 +253,17 @@ _WARPS_PER_BLOCK = 8
 _MAX_SHARED = 227 * 1024  # H100/H200 opt-in shared memory per block
 
 
+def _weight_type(dtype: torch.dtype, fp8: bool) -> str:
+    """The kernels' weight element type: the model's, or e4m3 bytes (FP8 weights)."""
+    return "unsigned char" if fp8 else CUDA_TYPES[dtype]
+
+
 @functools.cache
-def _small_module(dtype: torch.dtype, device: int):
+def _small_module(dtype: torch.dtype, device: int, fp8: bool = False):
     import cupy
 
-    ctype = CUDA_TYPES[dtype]
-    names = [f"{kernel}<{ctype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
+    ctype, wtype = CUDA_TYPES[dtype], _weight_type(dtype, fp8)
+    names = [f"{kernel}<{ctype},{wtype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -269,9 +274,11 @@ _shared_set: dict[tuple, int] = {}
 
 
 @functools.cache
-def _small_function(name: str, dtype: torch.dtype, m: int, device: int):
+def _small_function(name: str, dtype: torch.dtype, m: int, device: int, fp8: bool = False):
     with _cupy_device(device):
-        return _small_module(dtype, device).get_function(f"{name}<{CUDA_TYPES[dtype]},{m}>")
+        return _small_module(dtype, device, fp8).get_function(
+            f"{name}<{CUDA_TYPES[dtype]},{_weight_type(dtype, fp8)},{m}>"
+        )
 
 
 def _template_m(tokens: int) -> int:
@@ -285,10 +292,10 @@ def _norm_shared_bytes(rows: torch.Tensor) -> int:
     return _template_m(tokens) * hidden * rows.element_size()
 
 
-def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0):
+def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0, fp8: bool = False):
     m = _template_m(tokens)
-    function = _small_function(name, dtype, m, device)
-    key = (name, dtype, m, device)
+    function = _small_function(name, dtype, m, device, fp8)
+    key = (name, dtype, m, device, fp8)
     if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
         function.max_dynamic_shared_size_bytes = shared
         _shared_set[key] = shared
@@ -326,6 +333,16 @@ def _ptr_or_null(tensor: torch.Tensor | None) -> np.uintp:
     return np.uintp(0) if tensor is None else np.uintp(tensor.data_ptr())
 
 
+def _weight_args(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> tuple[bool, np.uintp, np.uintp]:
+    """(fp8, weight pointer, scale pointer or null): FP8 e4m3 weights need their float32
+    per-row scales ([N] or [1, N], contiguous)."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+                or weight_scale.numel() != weight.shape[0]):
+        raise ValueError("small-batch kernel: FP8 weights need contiguous float32 scales, one per row")
+    return fp8, _ptr(weight), _ptr_or_null(weight_scale if fp8 else None)
+
+
 def _check_rows(**tensors: torch.Tensor | None) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and not (tensor.is_contiguous() and tensor.data_ptr() % 16 == 0):
@@ -334,7 +351,7 @@ def _check_rows(**tensors: torch.Tensor | None) -> None:
 
 def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bias, positions, cos_sin,
                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                  slot_mapping=None, key_cache=None, value_cache=None) -> None:
+                  slot_mapping=None, key_cache=None, value_cache=None, weight_scale=None) -> None:
     """qkv [n, (heads + 2 kv_heads) * head_dim] = RoPE(weight @ rmsnorm(r) + bias) with
     r = residual_in + delta (delta None: r = residual_in), written to residual_out too. With
     slot_mapping (int64 [n], -1 = skip) the k and v rows are also written to the paged caches
@@ -351,18 +368,20 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
     units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
     shared = _norm_shared_bytes(residual_in)
     device = residual_in.device.index
+    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
     _launch_small(
-        _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, device, shared),
+        _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, device, shared, fp8),
         (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
-        (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
-         _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
+        (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), weight_ptr,
+         scale_ptr, _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
          _ptr_or_null(value_cache), np.int32(num_heads), np.int32(num_kv_heads),
          np.int32(head_dim), np.int32(tokens), np.int32(hidden), np.float32(eps)),
         device, shared,
     )
 
 
-def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight, bias, eps: float) -> None:
+def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight, bias, eps: float,
+                      weight_scale=None) -> None:
     """act [n, inter] = silu(gate) * up of weight [2 inter, hidden] @ rmsnorm(residual_in + delta),
     the summed rows written to residual_out."""
     tokens, hidden = residual_in.shape
@@ -370,16 +389,17 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
     shared = _norm_shared_bytes(residual_in)
     device = residual_in.device.index
+    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
     _launch_small(
-        _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared),
+        _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared, fp8),
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
-        (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), _ptr(weight),
-         _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
+        (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), weight_ptr,
+         scale_ptr, _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
         device, shared,
     )
 
 
-def small_gemv(out, x, weight, bias, fused=None) -> torch.Tensor:
+def small_gemv(out, x, weight, bias, fused=None, weight_scale=None) -> torch.Tensor:
     """out [n, N] = x [n, K] @ weight[N, K].T + bias, for n <= MAX_SMALL_BATCH. With `fused`
     (TensorParallelGroup.fused_all_reduce), `out` = that summed over the ranks: the all-reduce
     is done in the kernel (layers.cu, "The all-reduce fused into the small-batch GEMVs")."""
@@ -387,10 +407,11 @@ def small_gemv(out, x, weight, bias, fused=None) -> torch.Tensor:
     rows = weight.shape[0]
     _check_rows(out=out, x=x, weight=weight)
     device = x.device.index
+    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
     _launch_small(
-        _small_kernel("small_gemv", x.dtype, tokens, device),
+        _small_kernel("small_gemv", x.dtype, tokens, device, fp8=fp8),
         (-(-rows // (2 * _WARPS_PER_BLOCK)),), (32 * _WARPS_PER_BLOCK,),
-        (_ptr(out), _ptr(x), _ptr(weight), _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width),
+        (_ptr(out), _ptr(x), weight_ptr, scale_ptr, _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width),
          *_fused(fused)),
         device,
     )
