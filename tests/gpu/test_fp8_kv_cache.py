@@ -575,3 +575,32 @@ def test_engine_fp8_kv_bf16_small_batch_kernels(monkeypatch):
             i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
             assert got[i] in torch.topk(logits[i], 5).indices.tolist(), (i, got, want)
             assert i >= 1, "diverged at the first token"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_fp8_kv_follows_tp1():
+    """Tensor parallelism: every rank's runner builds its FP8 cache from the same config (the
+    workers get kv_cache_dtype with the rest of it); TP=2 greedy ids follow TP=1's with FP8
+    KV on both (fp32; a K value rounded to the other e4m3 neighbour by the sharded GEMMs may
+    move one late token, so at most one of the prompts may differ, and not in its first 8)."""
+    from inflightllm.engine import Engine
+    from inflightllm.model_source import ModelSpec
+    from perf.bench_tp import exact_folder, prompts_of, release
+
+    spec = ModelSpec(source="hf_folder", path=str(exact_folder()), dtype="float32")
+    prompts = [prompts_of(1, n, 49152, seed=n)[0] for n in (5, 300, 17, 64, 9, 700)]
+    outputs = {}
+    for tp in (1, 2):
+        engine = Engine(spec, gpu_config(gpu_ids=tuple(range(tp)), tensor_parallel_size=tp, max_input_length=1024,
+                                         max_num_tokens=256),
+                        sampler_seed=0)
+        try:
+            outputs[tp] = generate(engine, prompts, [24] * len(prompts), [0, 0, 1, 2, 4, 7])
+        finally:
+            getattr(engine.runner, "shutdown", lambda: None)()
+        engine = None
+        release()
+    differ = [i for i in range(len(prompts)) if outputs[1][i] != outputs[2][i]]
+    assert len(differ) <= 1, differ
+    for i in differ:
+        assert outputs[1][i][:8] == outputs[2][i][:8], i
