@@ -603,3 +603,66 @@ def test_tp2_fp8_kv_follows_tp1():
     assert len(differ) <= 1, differ
     for i in differ:
         assert outputs[1][i][:8] == outputs[2][i][:8], i
+
+
+def test_fp8_decode_timings():
+    """Decode step time (graph replay of one forward: cache write + decode + reduce) with an
+    FP8 and a bf16 cache, Llama-3-8B attention shape (32 heads, 8 kv heads, d=128, block 16).
+    The FP8 cache moves half the bytes: at a large batch, where decode is bound by them, it
+    must not be slower than bf16's. Printed, and written to $OUT/fp8-kv-timings.md when set."""
+    import os
+    import statistics
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    max_model_len = 8192
+    num_blocks = 256 * 2048 // bs + 64
+    rows, times = [], {}
+    for kind in ("auto", "fp8"):
+        backend = CudaPagedAttention(h, kvh, d, max_model_len=max_model_len, kv_cache_dtype=kind)
+        backend.allocate_kv_cache(num_blocks, bs, 1, kvh, d, torch.bfloat16, DEV)
+        if kind == "fp8":
+            backend.kv_cache.copy_(quantize_with_scale(torch.randn(backend.kv_cache.shape, device=DEV), 1.0).view(torch.uint8))
+        else:
+            backend.kv_cache.normal_()
+        for batch, ctx in ((1, 8192), (32, 2048), (256, 2048)):
+            gen = torch.Generator().manual_seed(batch)
+            perm = torch.randperm(num_blocks, generator=gen).tolist()
+            n = math.ceil(ctx / bs)
+            seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
+            md = backend.build_metadata(seqs, DEV)
+            md.max_context_len = max_model_len
+            q = torch.randn(batch, h, d, device=DEV).to(torch.bfloat16)
+            k = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
+            v = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
+            out = torch.empty(batch, h, d, dtype=torch.bfloat16, device=DEV)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                backend.forward(0, q, k, v, md, out=out)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                backend.forward(0, q, k, v, md, out=out)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(30):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            us = statistics.median(samples)
+            assert torch.isfinite(out).all()
+            impl, splits = backend.decode_kernel(batch)
+            times[(kind, batch)] = us
+            rows.append(f"| {kind} | {batch} x {ctx} | {impl}, {splits} splits | {us:.1f} |")
+        del backend
+    lines = ["| cache | case | kernel | median µs |", "| --- | --- | --- | ---: |", *rows]
+    print("\n" + "\n".join(lines))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "fp8-kv-timings.md"), "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+    assert times[("fp8", 256)] <= 1.1 * times[("auto", 256)], times
