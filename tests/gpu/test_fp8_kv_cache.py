@@ -200,8 +200,10 @@ def test_mixed_batch_bf16(head_dim, group, scales):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_mixed_batch_other_dtypes(dtype):
     """fp32 queries: 4-byte slices (cp.async of 4 bytes in v4) and prefill_fma over the
-    dequantized scratch cache; fp16: the same as bf16."""
-    case = Fp8Case(MIXED, 8, 2, 128, 16, dtype, (0.25, 0.031), seed=3)
+    dequantized scratch cache; fp16: the same as bf16. Powers of two for scales: the reference
+    then stores the kernel's bytes (its GPU division by a reciprocal could put a new value on
+    the other e4m3 neighbour, more than fp32's tolerance for a token attending itself)."""
+    case = Fp8Case(MIXED, 8, 2, 128, 16, dtype, (0.25, 0.03125), seed=3)
     label = f"fp8 mixed {NAMES[dtype]} d=128 gqa=4"
     case.check(v2 := case.run("flash", decode="v2"), label + " decode v2")
     check_v4(case, v2, label, "flash")
