@@ -540,22 +540,26 @@ def test_engine_fp8_kv_greedy_fp32(fp32_fp8_engine):
 
 
 def test_engine_fp8_kv_chunked_and_swapped(fp32_fp8_engine):
-    """Chunked prefills (gather_kv_fp8 of earlier chunks) and swap preemption (the FP8 byte
-    blocks to host memory and back) keep the reference's greedy ids."""
+    """Chunked prefills (earlier chunks read back through gather_kv_fp8 into prefill_fma's
+    scratch cache) and swap preemption (the FP8 byte blocks to host memory and back) keep the
+    reference's greedy ids."""
     from inflightllm.engine import Engine
 
     base = fp32_fp8_engine
-    tight = Engine(base.model_spec, gpu_config(num_kv_blocks=40, max_batch_size=8, max_num_tokens=48,
-                                               preemption_mode="swap", swap_space_blocks=200),
-                   sampler_seed=0, loaded=base.loaded)
     prompts = make_prompts(8, base.vocab_size, seed=2)
     max_tokens = [40] * 8
-    ids = generate(tight, prompts, max_tokens)
-    stats = tight.stats()
-    assert stats.num_swapped_out_total > 0, "the schedule should have swapped requests out"
-    for i, (prompt, n, got) in enumerate(zip(prompts, max_tokens, ids)):
-        want, logits = reference_greedy(base.loaded, prompt, n)
-        assert_greedy_matches(got, want, logits, 0.01, f"prompt {i}")
+    schedules = {
+        "chunked": dict(max_num_tokens=40, max_batch_size=8),
+        "swapped": dict(num_kv_blocks=40, max_batch_size=8, preemption_mode="swap", swap_space_blocks=200),
+    }
+    for name, overrides in schedules.items():
+        engine = Engine(base.model_spec, gpu_config(**overrides), sampler_seed=0, loaded=base.loaded)
+        ids = generate(engine, prompts, max_tokens, [0, 0, 0, 1, 1, 2, 3, 4] if name == "chunked" else None)
+        if name == "swapped":
+            assert engine.stats().num_swapped_out_total > 0, "the schedule should have swapped requests out"
+        for i, (prompt, n, got) in enumerate(zip(prompts, max_tokens, ids)):
+            want, logits = reference_greedy(base.loaded, prompt, n)
+            assert_greedy_matches(got, want, logits, 0.01, f"{name}: prompt {i}")
 
 
 def test_engine_fp8_kv_bf16_small_batch_kernels(monkeypatch):
