@@ -96,9 +96,13 @@ class GpuModelRunner:
         self._row_offsets = torch.arange(self.max_rows + 1, dtype=torch.int32, device=self.device)
         self.last_sampled = zeros(self.max_rows)  # the previous launch's sampled ids, by row
 
+        # engine.kv_cache_dtype fp8: e4m3 K/V with the checkpoint's per-layer scales (1.0 without)
+        self.kv_cache_dtype = getattr(config, "kv_cache_dtype", "auto")
+
         def new_attention():
             return CudaPagedAttention(
-                arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.sliding_window, max_model_len=self.max_model_len
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.sliding_window, max_model_len=self.max_model_len,
+                kv_cache_dtype=self.kv_cache_dtype, kv_scales=getattr(loaded, "kv_scales", None),
             )
 
         self.staging = PinnedStaging(self.device)
@@ -113,7 +117,8 @@ class GpuModelRunner:
         self.kv_cache_bytes = num_blocks * self._bytes_per_block()
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
-            num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, loaded.dtype,
+            num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30,
+            "fp8 e4m3" if self.kv_cache_dtype == "fp8" else loaded.dtype,
         )
         # bucket -> (graph, its hidden states, its logits or None)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
@@ -124,7 +129,7 @@ class GpuModelRunner:
     # ---- memory ---------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
         arch = self.arch
-        element = torch.empty(0, dtype=self.loaded.dtype).element_size()
+        element = 1 if self.kv_cache_dtype == "fp8" else torch.empty(0, dtype=self.loaded.dtype).element_size()
         return 2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim * element
 
     def _size_kv_cache(self, new_attention) -> int:

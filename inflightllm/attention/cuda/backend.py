@@ -7,6 +7,13 @@
 - prefills / chunks run either `prefill_mma` (tensor cores, reads K/V through the block
   table) or gather + torch's flash varlen op (fp16/bf16), or `prefill_fma` (fp32).
 
+`kv_cache_dtype="fp8"`: the cache holds e4m3 bytes of K / k_scale and V / v_scale (per-layer
+scales, 1.0 where the checkpoint has none), as TorchReferenceAttention's FP8 cache does, byte
+for byte: reshape_and_cache_fp8 quantizes, the v2 / v4 decode kernels read the bytes (k_scale
+folded into the query scale, v_scale into their output), and prefills gather the context
+dequantized into the query's dtype (gather_kv_fp8): packed for the flash op, or into a
+scratch paged cache of its own for prefill_mma / prefill_fma. docs/FP8-KV-CACHE.md.
+
 Everything in `forward` launches on torch's current stream, reads no device data on the host
 and sizes launches from host ints only, so a decode step can be captured in a torch CUDA graph
 (the decode split count depends only on `num_decodes` and `max_model_len`). CuPy is imported
@@ -37,6 +44,7 @@ PREFILL_DEFAULT = "flash"
 # next to the small-batch kernels). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
 DECODE_DEFAULT = "auto"
 DECODE_IMPLS = (*ops.DECODE_KERNELS, "auto")
+KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 
 
 def default_decode_impl() -> str:
@@ -57,6 +65,18 @@ def default_decode_min_split() -> int:
     if not text.isdigit() or int(text) < 32 or int(text) % 32:
         raise ValueError(f"INFLIGHTLLM_DECODE_MIN_SPLIT={text!r}: a positive multiple of 32 (tokens per split)")
     return int(text)
+
+
+def _checked_scales(kv_scales) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) as floats; each must be finite and positive."""
+    checked = []
+    for layer, pair in enumerate(kv_scales):
+        k_scale, v_scale = (float(x) for x in pair)
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (value > 0 and value != float("inf")):
+                raise ValueError(f"kv_scales: layer {layer} {name} {value!r} (a finite positive number is allowed)")
+        checked.append((k_scale, v_scale))
+    return checked
 
 
 class _FlatCaches(HostSwapMixin):
@@ -104,7 +124,13 @@ class CudaPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         max_model_len: int = 8192,
         prefill_impl: str | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scales: list[tuple[float, float]] | None = None,
     ):
+        """kv_cache_dtype: "auto" (the cache in the query's dtype) or "fp8" (e4m3 bytes; with
+        `kv_scales`, one (k_scale, v_scale) per layer, else 1.0 for every layer)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: allowed {', '.join(KV_CACHE_DTYPES)}")
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
@@ -120,13 +146,25 @@ class CudaPagedAttention(AttentionBackend):
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype == "fp8"
+        if self.fp8 and self.decode_impl not in (*ops.FP8_DECODE_KERNELS, "auto"):
+            raise ValueError(
+                f"INFLIGHTLLM_DECODE_IMPL={self.decode_impl!r} does not read an FP8 KV cache "
+                f"(engine.kv_cache_dtype fp8); allowed: {', '.join(ops.FP8_DECODE_KERNELS)}, auto"
+            )
+        self.kv_scales = _checked_scales(kv_scales) if kv_scales is not None else None
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kvh, d]
         self.kv_cache_bytes = 0
         self.block_size = 0
         self.num_blocks = 0
+        # The cache's element type: the model's dtype, or torch.uint8 for an FP8 cache (so the
+        # fused small-batch qkv kernel of gpu/model.py, which writes K/V into a cache of the
+        # model's dtype itself, leaves the quantizing write to forward).
         self.dtype: torch.dtype | None = None
+        self.query_dtype: torch.dtype | None = None  # the model's dtype (queries, outputs)
         self._bs_shift = 0
         self._cupy_array = None  # owns the cache memory
         self._num_sms = 132
@@ -144,6 +182,11 @@ class CudaPagedAttention(AttentionBackend):
             raise ValueError("cache shape differs from the backend's heads")
         if dtype not in ops.CTYPE:
             raise ValueError(f"unsupported dtype {dtype}")
+        if self.fp8:
+            if self.kv_scales is None:
+                self.kv_scales = [(1.0, 1.0)] * num_layers
+            elif len(self.kv_scales) != num_layers:
+                raise ValueError(f"kv_scales: {len(self.kv_scales)} layers of scales for {num_layers} layers")
         device = torch.device(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         storage = {
@@ -151,6 +194,8 @@ class CudaPagedAttention(AttentionBackend):
             torch.float16: cupy.float16,
             torch.bfloat16: cupy.uint16,
         }[dtype]
+        if self.fp8:
+            storage = cupy.uint8  # e4m3 bytes
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self._cupy_array = None
         self.key_cache, self.value_cache, self.kv_cache = [], [], None
@@ -166,7 +211,8 @@ class CudaPagedAttention(AttentionBackend):
         self.kv_cache_bytes = int(array.nbytes)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.dtype = dtype
+        self.dtype = torch.uint8 if self.fp8 else dtype
+        self.query_dtype = dtype
         self._bs_shift = block_size.bit_length() - 1
         self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -271,7 +317,12 @@ class CudaPagedAttention(AttentionBackend):
         stream = ops.current_stream()
         key_cache = self.key_cache[layer_index]
         value_cache = self.value_cache[layer_index]
-        if not kv_written:
+        scales = self.kv_scales[layer_index] if self.fp8 else None
+        if self.fp8:
+            if kv_written:
+                raise ValueError("kv_written: an FP8 cache is written by forward only (reshape_and_cache_fp8)")
+            ops.reshape_and_cache_fp8(key, value, key_cache, value_cache, metadata.slot_mapping, *scales, stream)
+        elif not kv_written:
             ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, stream)
         if not ops.aligned16(query):  # e.g. an odd offset: copy into fresh (aligned) memory
             query = query.clone(memory_format=torch.contiguous_format)
@@ -297,12 +348,13 @@ class CudaPagedAttention(AttentionBackend):
                 stream,
                 impl,
                 self.decode_min_split,
+                scales,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:
             kind = self.prefill_kind(query.dtype)
             if kind == "flash":
                 try:
-                    self._prefill_flash(query, key_cache, value_cache, metadata, out, stream)
+                    self._prefill_flash(query, key_cache, value_cache, metadata, out, stream, scales)
                     return out
                 except (RuntimeError, TypeError) as error:  # op missing / rejected: fall back
                     self._flash_error = f"{type(error).__name__}: {error}"
@@ -310,12 +362,17 @@ class CudaPagedAttention(AttentionBackend):
                         "flash prefill unavailable, using prefill_mma: %s", self._flash_error
                     )
                     kind = "mma"
+            block_tables = metadata.block_tables
+            if scales is not None:  # the kernels read T: the contexts dequantized into a scratch cache
+                key_cache, value_cache, block_tables = self._dequantized_contexts(
+                    query.dtype, key_cache, value_cache, metadata, stream, scales
+                )
             ops.prefill(
                 kind,
                 query,
                 key_cache,
                 value_cache,
-                metadata.block_tables,
+                block_tables,
                 metadata.context_lens,
                 metadata.query_start_loc,
                 out,
@@ -332,9 +389,29 @@ class CudaPagedAttention(AttentionBackend):
             )
         return out
 
-    def _prefill_flash(self, query, key_cache, value_cache, md: CudaAttentionMetadata, out, stream):
-        """Gather each prefill's K/V into packed rows, then torch's flash varlen forward
-        (causal aligned bottom-right, so chunks and prefix hits attend their whole context)."""
+    def _dequantized_contexts(self, dtype, key_cache, value_cache, md: CudaAttentionMetadata, stream, scales):
+        """An FP8 cache's prefill contexts for prefill_mma / prefill_fma, which read K/V of the
+        query's dtype through a block table: each prefill's K/V dequantized (gather_kv_fp8)
+        into blocks of its own in a scratch cache of ceil(max_context_len / block_size) blocks
+        a sequence, and the block table of that cache (row num_decodes + p: p's blocks; decode
+        rows unused). Host ints only, like the flash path's gather."""
+        nd, npf = md.num_decodes, md.num_prefills
+        device = key_cache.device
+        width = max(1, -(-md.max_context_len // self.block_size))
+        rows = width * self.block_size  # scratch slots a sequence
+        shape = (npf * width, self.block_size, self.num_kv_heads, self.head_dim)
+        k = torch.empty(shape, dtype=dtype, device=device)
+        v = torch.empty_like(k)
+        cu = torch.arange(0, (npf + 1) * rows, rows, dtype=torch.int32, device=device)
+        ops.gather_kv(key_cache, value_cache, k, v, md.block_tables, md.context_lens, cu, nd, npf,
+                      md.max_context_len, self._bs_shift, stream, scales)
+        table = (torch.arange((nd + npf) * width, dtype=torch.int32, device=device) - nd * width).clamp_(min=0)
+        return k, v, table.view(nd + npf, width)
+
+    def _prefill_flash(self, query, key_cache, value_cache, md: CudaAttentionMetadata, out, stream, scales=None):
+        """Gather each prefill's K/V into packed rows (dequantized from an FP8 cache with its
+        `scales`), then torch's flash varlen forward (causal aligned bottom-right, so chunks
+        and prefix hits attend their whole context)."""
         nd, npf, ndt = md.num_decodes, md.num_prefills, md.num_decode_tokens
         device = query.device
         q = query[ndt:]
@@ -357,6 +434,7 @@ class CudaPagedAttention(AttentionBackend):
             md.max_context_len,
             self._bs_shift,
             stream,
+            scales,
         )
         kwargs = {"scale": self.scale}
         if self.sliding_window:

@@ -6,11 +6,14 @@
 //
 // Kernels:
 //   reshape_and_cache<VT>          new K/V rows -> cache slots (VT = uint4 for 16-byte copies)
+//   reshape_and_cache_fp8<T, N>    the same into an FP8 cache: K / k_scale, V / v_scale as e4m3
 //   gather_kv                      paged K/V of the prefill sequences -> packed rows (flash path)
-//   paged_decode_v2<T, D, MAXG>    flash-decoding: one block per (kv head, head group, seq, split),
-//                                  register online softmax, no barriers in the token loop
-//   paged_decode_v4<T, D, MAXG, S> version 2 with its K/V loads pipelined S - 1 tiles ahead by
-//                                  cp.async into shared memory (the default where unsplit)
+//   gather_kv_fp8<T>               the same from an FP8 cache, dequantized (e4m3 * scale -> T)
+//   paged_decode_v2<T, D, MAXG[, CT]>    flash-decoding: one block per (kv head, head group, seq,
+//                                  split), register online softmax, no barriers in the token loop;
+//                                  CT = fp8e4m3: reads an FP8 cache (CT defaults to T)
+//   paged_decode_v4<T, D, MAXG, S[, CT]> version 2 with its K/V loads pipelined S - 1 tiles ahead
+//                                  by cp.async into shared memory (the default where unsplit)
 //   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
 //   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
 //   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
@@ -78,6 +81,105 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
     return *reinterpret_cast<u32*>(&v);
 }
 
+// ---------------------------------------------------------------------------------------------
+// FP8 KV cache (engine.kv_cache_dtype fp8). The cache holds e4m3fn bytes of K / k_scale and
+// V / v_scale (one scale pair per layer), as inflightllm.attention.torch_ref's does: x / scale
+// in float32 (IEEE division, no fast-math), saturated to +-448, rounded to nearest even. Every
+// e4m3 value is exactly a half, so reading is exact before the scale: the decode kernels fold
+// k_scale into the query (ops.paged_decode) and v_scale into their output, gather_kv_fp8
+// multiplies each value in float32 and rounds to T (the reference's arithmetic). sm_89+
+// converts two values per instruction (cvt ... e4m3x2); older GPUs take the same rounding
+// by bit manipulation.
+struct fp8e4m3 { unsigned char bits; };
+
+__device__ __forceinline__ u32 e4m3_from_float_sw(float x) {
+    if (x != x) return 0x7fu;  // NaN
+    const u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fminf(fabsf(x), 448.f);  // satfinite (infinities too)
+    if (a < 0.015625f)  // below the smallest normal 2^-6: multiples of 2^-9 (8 = the smallest normal, 0x08)
+        return sign | (u32)rintf(a * 512.f);
+    const u32 b = __float_as_uint(a);
+    const u32 r = (b + 0x7ffffu + ((b >> 20) & 1u)) >> 20;  // exponent and 3 mantissa bits, nearest even
+    return sign | (r - (120u << 3));                      // exponent bias 127 -> 7
+}
+__device__ __forceinline__ float e4m3_to_float_sw(u32 v) {
+    const u32 e = (v >> 3) & 0xfu, m = v & 7u;
+    float a;
+    if (e == 0) a = (float)m * 0.001953125f;  // subnormal: m * 2^-9
+    else if (e == 15 && m == 7) a = __int_as_float(0x7fc00000);
+    else a = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (v & 0x80u) ? -a : a;
+}
+// two floats -> two e4m3 bytes, `lo` in the low byte (the lower address)
+__device__ __forceinline__ u32 e4m3x2_from_float(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));  // first source -> high byte
+    return r;
+#else
+    return e4m3_from_float_sw(lo) | (e4m3_from_float_sw(hi) << 8);
+#endif
+}
+// the two e4m3 bytes in the low 16 bits of w (low byte first) -> f[0], f[1]
+__device__ __forceinline__ void e4m3x2_to_f(u32 w, float* f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h;
+    const unsigned short x = (unsigned short)w;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(x));  // low byte -> low half
+    const float2 r = __half22float2(*reinterpret_cast<__half2*>(&h));
+    f[0] = r.x; f[1] = r.y;
+#else
+    f[0] = e4m3_to_float_sw(w & 0xffu);
+    f[1] = e4m3_to_float_sw((w >> 8) & 0xffu);
+#endif
+}
+
+// N e4m3 bytes (one vector load) -> N floats
+template <int N> struct Fp8Vec;
+template <> struct Fp8Vec<8> {
+    typedef uint2 type;
+    static __device__ __forceinline__ void unpack(const uint2& u, float* f) {
+        e4m3x2_to_f(u.x, f); e4m3x2_to_f(u.x >> 16, f + 2);
+        e4m3x2_to_f(u.y, f + 4); e4m3x2_to_f(u.y >> 16, f + 6);
+    }
+};
+template <> struct Fp8Vec<4> {
+    typedef unsigned int type;
+    static __device__ __forceinline__ void unpack(const unsigned int& u, float* f) {
+        e4m3x2_to_f(u, f); e4m3x2_to_f(u >> 16, f + 2);
+    }
+};
+
+// What a decode thread loads of a K/V row: the cache elements of 16 / sizeof(T) query
+// elements (its slice), as one vector of BYTES bytes, and their floats. CT == T: 16 bytes.
+template <typename T, typename CT> struct CacheSlice {
+    typedef uint4 type;
+    static constexpr int BYTES = 16;
+    static __device__ __forceinline__ void unpack(const uint4& u, float* f) { unpack16<T>(u, f); }
+};
+template <typename T> struct CacheSlice<T, fp8e4m3> {
+    static constexpr int BYTES = 16 / sizeof(T);
+    typedef typename Fp8Vec<BYTES>::type type;
+    static __device__ __forceinline__ void unpack(const type& u, float* f) { Fp8Vec<BYTES>::unpack(u, f); }
+};
+
+// 8 consecutive T (16-byte aligned) -> floats, and back (rounded to nearest)
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* f) {
+    unpack16<T>(*reinterpret_cast<const uint4*>(p), f);
+}
+template <> __device__ __forceinline__ void load8<float>(const float* p, float* f) {
+    unpack16<float>(reinterpret_cast<const uint4*>(p)[0], f);
+    unpack16<float>(reinterpret_cast<const uint4*>(p)[1], f + 4);
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* f) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]),
+                                              pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+}
+template <> __device__ __forceinline__ void store8<float>(float* p, const float* f) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
@@ -114,6 +216,46 @@ __global__ void reshape_and_cache(const VT* __restrict__ key, const VT* __restri
     }
 }
 
+// reshape_and_cache_fp8: the same into an FP8 cache (bytes), quantized with the layer's scales.
+// key/value [num_tokens, kvh, head_dim] (strides in elements, last dim contiguous); N elements
+// a thread: 8 (16-byte aligned rows and strides: one or two 16-byte loads, one 8-byte store) or 1.
+template <typename T, int N>
+__global__ void reshape_and_cache_fp8(const T* __restrict__ key, const T* __restrict__ value,
+                                      unsigned char* __restrict__ key_cache, unsigned char* __restrict__ value_cache,
+                                      const i64* __restrict__ slot_mapping,
+                                      i64 k_stok, i64 k_shead, i64 v_stok, i64 v_shead,
+                                      int num_kv_heads, int head_dim, float k_scale, float v_scale) {
+    const int tok = blockIdx.x;
+    const i64 slot = slot_mapping[tok];
+    if (slot < 0) return;
+    const int row_n = head_dim / N;
+    const int n = num_kv_heads * row_n;
+    const T* kp = key + (i64)tok * k_stok;
+    const T* vp = value + (i64)tok * v_stok;
+    unsigned char* kd = key_cache + slot * num_kv_heads * head_dim;
+    unsigned char* vd = value_cache + slot * num_kv_heads * head_dim;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int h = i / row_n;
+        const int d = (i - h * row_n) * N;
+        if constexpr (N == 8) {
+            float kf[8], vf[8];
+            load8<T>(kp + h * k_shead + d, kf);
+            load8<T>(vp + h * v_shead + d, vf);
+            u32 kq[4], vq[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                kq[j] = e4m3x2_from_float(kf[2 * j] / k_scale, kf[2 * j + 1] / k_scale);
+                vq[j] = e4m3x2_from_float(vf[2 * j] / v_scale, vf[2 * j + 1] / v_scale);
+            }
+            *reinterpret_cast<uint2*>(kd + h * head_dim + d) = make_uint2(kq[0] | (kq[1] << 16), kq[2] | (kq[3] << 16));
+            *reinterpret_cast<uint2*>(vd + h * head_dim + d) = make_uint2(vq[0] | (vq[1] << 16), vq[2] | (vq[3] << 16));
+        } else {
+            kd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(Cvt<T>::to(kp[h * k_shead + d]) / k_scale, 0.f);
+            vd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(Cvt<T>::to(vp[h * v_shead + d]) / v_scale, 0.f);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // gather_kv: rows 0..ctx-1 of each prefill sequence p (seq = num_decodes + p) -> packed
 // [cu_k[p] + row]. row_vec = num_kv_heads * D * sizeof(T) / 16. grid (ceil(max_ctx/32), num_prefills).
@@ -137,6 +279,41 @@ __global__ void gather_kv(const uint4* __restrict__ key_cache, const uint4* __re
             const i64 slot = ((i64)bt[r >> bs_shift] << bs_shift) + (r & bs_mask);
             key_out[(dst0 + r) * row_vec + c] = key_cache[slot * row_vec + c];
             value_out[(dst0 + r) * row_vec + c] = value_cache[slot * row_vec + c];
+        }
+    }
+}
+
+// gather_kv_fp8: gather_kv from an FP8 cache, each value dequantized (e4m3 * scale in float32,
+// rounded to T). row_vec = num_kv_heads * D / 8 (8-byte pieces of a cache row).
+template <typename T>
+__global__ void gather_kv_fp8(const uint2* __restrict__ key_cache, const uint2* __restrict__ value_cache,
+                              T* __restrict__ key_out, T* __restrict__ value_out,
+                              const int* __restrict__ block_tables, int bt_stride,
+                              const int* __restrict__ context_lens, const int* __restrict__ cu_k,
+                              int num_decodes, int bs_shift, int row_vec, float k_scale, float v_scale) {
+    const int p = blockIdx.y;
+    const int seq = num_decodes + p;
+    const int ctx = context_lens[seq];
+    const i64 dst0 = cu_k[p];
+    const int r0 = blockIdx.x * 32;
+    if (r0 >= ctx) return;
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    for (int i = threadIdx.x; i < 32 * row_vec; i += blockDim.x) {
+        const int r = r0 + i / row_vec;
+        const int c = i % row_vec;
+        if (r < ctx) {
+            const i64 slot = ((i64)bt[r >> bs_shift] << bs_shift) + (r & bs_mask);
+            float kf[8], vf[8];
+            Fp8Vec<8>::unpack(key_cache[slot * row_vec + c], kf);
+            Fp8Vec<8>::unpack(value_cache[slot * row_vec + c], vf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                kf[j] *= k_scale;
+                vf[j] *= v_scale;
+            }
+            store8<T>(key_out + ((dst0 + r) * row_vec + c) * 8, kf);
+            store8<T>(value_out + ((dst0 + r) * row_vec + c) * 8, vf);
         }
     }
 }
@@ -530,11 +707,24 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void cp_async16_zfill(u32 smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
 }
+// cp.async of a decode slice of SB bytes (16: the .cg copy above; 8 and 4, an FP8 cache's
+// slices, exist only as .ca, through L1)
+template <int SB> __device__ __forceinline__ void cp_async_slice_zfill(u32 smem, const void* gmem, int src_bytes);
+template <> __device__ __forceinline__ void cp_async_slice_zfill<16>(u32 smem, const void* gmem, int src_bytes) {
+    cp_async16_zfill(smem, gmem, src_bytes);
+}
+template <> __device__ __forceinline__ void cp_async_slice_zfill<8>(u32 smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+template <> __device__ __forceinline__ void cp_async_slice_zfill<4>(u32 smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
 
 // One tile of a key group: the U tokens t0 + u * KPI (K slices kv[u], V slices vv[u]; zeros past
 // cn) scored against the group's queries and folded into its running max m, sum l and output acc.
-template <typename T, int MAXG, int U, int VEC, int TPK, int KPI>
-__device__ __forceinline__ void decode_tile(const uint4 (&kv)[U], const uint4 (&vv)[U], int t0, int cn,
+// CT: the cache's element type (T, or fp8e4m3: the slices are e4m3 bytes, scales applied outside).
+template <typename T, typename CT, int MAXG, int U, int VEC, int TPK, int KPI, typename LT>
+__device__ __forceinline__ void decode_tile(const LT (&kv)[U], const LT (&vv)[U], int t0, int cn,
                                             const float (&qr)[MAXG][VEC], float (&m)[MAXG], float (&l)[MAXG],
                                             float (&acc)[MAXG][VEC]) {
     float s[U][MAXG];
@@ -542,7 +732,7 @@ __device__ __forceinline__ void decode_tile(const uint4 (&kv)[U], const uint4 (&
     for (int u = 0; u < U; ++u) {
         const bool valid = t0 + u * KPI < cn;
         float kf[VEC];
-        unpack16<T>(kv[u], kf);
+        CacheSlice<T, CT>::unpack(kv[u], kf);
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             float x = 0.f;
@@ -575,7 +765,7 @@ __device__ __forceinline__ void decode_tile(const uint4 (&kv)[U], const uint4 (&
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         float vf[VEC];
-        unpack16<T>(vv[u], vf);
+        CacheSlice<T, CT>::unpack(vv[u], vf);
 #pragma unroll
         for (int g = 0; g < MAXG; ++g)
 #pragma unroll
@@ -595,14 +785,21 @@ __device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
 // wait too, all but the newest row, which the kernel before writes, gave wrong tokens in
 // tests/gpu/test_gpu_engine.py::test_fp32_small_batch_kernels_equal_transformers on three
 // machines, for a reason not found: docs/PERFORMANCE.md, "seventh pass".)
-template <typename T, int D, int MAXG, int STAGES>
+//
+// CT: the cache's element type: T, or fp8e4m3 (an FP8 cache: each thread's slice of a row is
+// VEC bytes instead of 16, the same elements; scale_log2 carries k_scale, and the output is
+// multiplied by v_scale, which an unquantized cache ignores).
+template <typename T, typename CT, int D, int MAXG, int STAGES>
 __device__ __forceinline__ void paged_decode_body(
-    const T* __restrict__ q, i64 q_stok, i64 q_shead, const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache, const int* __restrict__ block_tables, int bt_stride,
+    const T* __restrict__ q, i64 q_stok, i64 q_shead, const CT* __restrict__ key_cache,
+    const CT* __restrict__ value_cache, const int* __restrict__ block_tables, int bt_stride,
     const int* __restrict__ context_lens, T* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_m, float* __restrict__ part_l, int num_heads, int num_kv_heads, int group,
-    int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split, float* s_red, float* s_ml,
-    uint4* ring) {
+    int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split, float v_scale, float* s_red,
+    float* s_ml, uint4* ring) {
+    typedef typename CacheSlice<T, CT>::type LT;  // a thread's K or V slice: uint4 (CT == T), uint2 or u32
+    constexpr int SB = CacheSlice<T, CT>::BYTES;
+    constexpr bool FP8 = sizeof(CT) == 1;
     constexpr int VEC = 16 / sizeof(T);
     constexpr int TPK = D / VEC;
     constexpr int KPI = DEC_THREADS / TPK;
@@ -686,8 +883,8 @@ __device__ __forceinline__ void paged_decode_body(
 
     const int bs_mask = (1 << bs_shift) - 1;
     const i64 row_stride = (i64)num_kv_heads * D;
-    const T* kbase = key_cache + (i64)kvh * D + piece * VEC;
-    const T* vbase = value_cache + (i64)kvh * D + piece * VEC;
+    const CT* kbase = key_cache + (i64)kvh * D + piece * VEC;
+    const CT* vbase = value_cache + (i64)kvh * D + piece * VEC;
 
     for (int c0 = r0; c0 < r1; c0 += DEC2_CHUNK) {
         const int c1 = min(r1, c0 + DEC2_CHUNK);
@@ -697,28 +894,29 @@ __device__ __forceinline__ void paged_decode_body(
 
         if constexpr (STAGES == 0) {
             for (int tb = 0; tb < cn; tb += TILE) {
-                uint4 kv[U], vv[U];
+                LT kv[U], vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int tt = tb + u * KPI + kg;
                     if (tt < cn) {
                         const int pos = c0 + tt;
                         const i64 off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
-                        kv[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
-                        vv[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+                        kv[u] = __ldg(reinterpret_cast<const LT*>(kbase + off));
+                        vv[u] = __ldg(reinterpret_cast<const LT*>(vbase + off));
                     } else {
-                        kv[u] = make_uint4(0u, 0u, 0u, 0u);
-                        vv[u] = make_uint4(0u, 0u, 0u, 0u);
+                        kv[u] = LT{};
+                        vv[u] = LT{};
                     }
                 }
-                decode_tile<T, MAXG, U, VEC, TPK, KPI>(kv, vv, tb + kg, cn, qr, m, l, acc);
+                decode_tile<T, CT, MAXG, U, VEC, TPK, KPI>(kv, vv, tb + kg, cn, qr, m, l, acc);
             }
         } else {
-            // the thread's slot j (0..2U-1: K of tokens u, then V) of stage st: ring[(st * 2U + j) * DEC_THREADS + tid]
-            const u32 my = (u32)__cvta_generic_to_shared(ring + tid);
+            // the thread's slot j (0..2U-1: K of tokens u, then V) of stage st: lring[(st * 2U + j) * DEC_THREADS + tid]
+            LT* lring = reinterpret_cast<LT*>(ring);
+            const u32 my = (u32)__cvta_generic_to_shared(lring + tid);
             const int ntiles = (cn + TILE - 1) / TILE;
             auto issue = [&](int t) {
-                const u32 base = my + (u32)((t % STAGES) * 2 * U * DEC_THREADS * 16);
+                const u32 base = my + (u32)((t % STAGES) * 2 * U * DEC_THREADS * SB);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int tt = t * TILE + u * KPI + kg;
@@ -727,10 +925,10 @@ __device__ __forceinline__ void paged_decode_body(
                     if (tt < cn) {
                         const int pos = c0 + tt;
                         off = (((i64)s_bt[(pos >> bs_shift) - b0] << bs_shift) + (pos & bs_mask)) * row_stride;
-                        bytes = 16;
+                        bytes = SB;
                     }
-                    cp_async16_zfill(base + (u32)(u * DEC_THREADS * 16), kbase + off, bytes);
-                    cp_async16_zfill(base + (u32)((U + u) * DEC_THREADS * 16), vbase + off, bytes);
+                    cp_async_slice_zfill<SB>(base + (u32)(u * DEC_THREADS * SB), kbase + off, bytes);
+                    cp_async_slice_zfill<SB>(base + (u32)((U + u) * DEC_THREADS * SB), vbase + off, bytes);
                 }
             };
 #pragma unroll
@@ -743,14 +941,14 @@ __device__ __forceinline__ void paged_decode_body(
                 if (t + STAGES - 1 < ntiles) issue(t + STAGES - 1);
                 cp_async_commit();
                 cp_async_wait<STAGES - 1>();  // tile t has landed
-                const uint4* slot = ring + (t % STAGES) * 2 * U * DEC_THREADS + tid;
-                uint4 kv[U], vv[U];
+                const LT* slot = lring + (t % STAGES) * 2 * U * DEC_THREADS + tid;
+                LT kv[U], vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     kv[u] = slot[u * DEC_THREADS];
                     vv[u] = slot[(U + u) * DEC_THREADS];
                 }
-                decode_tile<T, MAXG, U, VEC, TPK, KPI>(kv, vv, t * TILE + kg, cn, qr, m, l, acc);
+                decode_tile<T, CT, MAXG, U, VEC, TPK, KPI>(kv, vv, t * TILE + kg, cn, qr, m, l, acc);
             }
         }
     }
@@ -805,6 +1003,7 @@ __device__ __forceinline__ void paged_decode_body(
             L = fmaf(wt, s_ml[(w * MAXG + g) * 2 + 1], L);
             v = fmaf(wt, s_red[(w * MAXG + g) * D + d], v);
         }
+        if constexpr (FP8) v *= v_scale;
         const i64 hrow = (i64)seq * num_heads + head0 + g;
         if (direct) {
             out[hrow * D + d] = Cvt<T>::from(v / L);
@@ -818,31 +1017,32 @@ __device__ __forceinline__ void paged_decode_body(
     }
 }
 
+// v_scale: the FP8 cache's value scale (ignored when CT == T).
 #define PAGED_DECODE_PARAMS                                                                                  \
-    const T *__restrict__ q, i64 q_stok, i64 q_shead, const T *__restrict__ key_cache,                      \
-        const T *__restrict__ value_cache, const int *__restrict__ block_tables, int bt_stride,             \
+    const T *__restrict__ q, i64 q_stok, i64 q_shead, const CT *__restrict__ key_cache,                     \
+        const CT *__restrict__ value_cache, const int *__restrict__ block_tables, int bt_stride,            \
         const int *__restrict__ context_lens, T *__restrict__ out, float *__restrict__ part_out,            \
         float *__restrict__ part_m, float *__restrict__ part_l, int num_heads, int num_kv_heads, int group, \
-        int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split
+        int groups_per_kv, int bs_shift, int window, float scale_log2, int min_split, float v_scale
 #define PAGED_DECODE_ARGS                                                                                   \
     q, q_stok, q_shead, key_cache, value_cache, block_tables, bt_stride, context_lens, out, part_out, part_m, \
-        part_l, num_heads, num_kv_heads, group, groups_per_kv, bs_shift, window, scale_log2, min_split
+        part_l, num_heads, num_kv_heads, group, groups_per_kv, bs_shift, window, scale_log2, min_split, v_scale
 
-template <typename T, int D, int MAXG>
+template <typename T, int D, int MAXG, typename CT = T>
 __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v2(PAGED_DECODE_PARAMS) {
     pdl_trigger();  // pdl_wait: in the body, after the loads that need not wait
     __shared__ float s_red[DEC_WARPS * MAXG * D];
     __shared__ float s_ml[DEC_WARPS * MAXG * 2];
-    paged_decode_body<T, D, MAXG, 0>(PAGED_DECODE_ARGS, s_red, s_ml, nullptr);
+    paged_decode_body<T, CT, D, MAXG, 0>(PAGED_DECODE_ARGS, s_red, s_ml, nullptr);
 }
 
 // Dynamic shared memory: max(the ring, s_red + s_ml) bytes (ops.decode_dynamic_smem).
-template <typename T, int D, int MAXG, int STAGES>
+template <typename T, int D, int MAXG, int STAGES, typename CT = T>
 __global__ void __launch_bounds__(DEC_THREADS, (MAXG >= 8 ? 3 : 4)) paged_decode_v4(PAGED_DECODE_PARAMS) {
     pdl_trigger();  // pdl_wait: in the body, after the loads that need not wait
     extern __shared__ uint4 dec_ring[];
     float* s_red = reinterpret_cast<float*>(dec_ring);
-    paged_decode_body<T, D, MAXG, STAGES>(PAGED_DECODE_ARGS, s_red, s_red + DEC_WARPS * MAXG * D, dec_ring);
+    paged_decode_body<T, CT, D, MAXG, STAGES>(PAGED_DECODE_ARGS, s_red, s_red + DEC_WARPS * MAXG * D, dec_ring);
 }
 
 // ---------------------------------------------------------------------------------------------

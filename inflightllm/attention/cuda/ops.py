@@ -40,6 +40,11 @@ DECODE_THREADS = 128
 PREFILL_MMA_M = 64
 PREFILL_FMA_M = 16
 _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+# FP8 KV cache (kv_cache_dtype "fp8"): the cache's element type in kernels.cu (e4m3 bytes), the
+# decode kernels that read it (v1 does not) and the elements reshape_and_cache_fp8 takes a thread.
+FP8_CTYPE = "fp8e4m3"
+FP8_DECODE_KERNELS = ("v2", "v4")
+_FP8_RESHAPE_N = (8, 1)
 
 
 @functools.cache
@@ -52,20 +57,26 @@ def decode_stages() -> int:
     return int(text)
 
 
-def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int) -> str:
+def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache_ctype: str | None = None) -> str:
+    """The kernel's name expression; `cache_ctype` (FP8_CTYPE) for one that reads an FP8
+    cache (its last template argument, which defaults to `ctype`)."""
+    cache = f",{cache_ctype}" if cache_ctype and cache_ctype != ctype else ""
+    if cache and variant not in FP8_DECODE_KERNELS:
+        raise ValueError(f"decode kernel {variant!r} does not read an FP8 cache (those that do: {FP8_DECODE_KERNELS})")
     if variant == "v4":
-        return f"paged_decode_v4<{ctype},{head_dim},{maxg},{decode_stages()}>"
-    return f"{DECODE_KERNELS[variant]}<{ctype},{head_dim},{maxg}>"
+        return f"paged_decode_v4<{ctype},{head_dim},{maxg},{decode_stages()}{cache}>"
+    return f"{DECODE_KERNELS[variant]}<{ctype},{head_dim},{maxg}{cache}>"
 
 
-def decode_dynamic_smem(variant: str, maxg: int) -> int:
-    """paged_decode_v4's dynamic shared memory: its ring of tiles (every thread's 2U 16-byte
-    K/V slices per tile, U = decode_u in kernels.cu), or the warps' merge buffers (s_red and
-    s_ml) that overlay it afterwards, whichever is larger. The other kernels take none."""
+def decode_dynamic_smem(variant: str, maxg: int, slice_bytes: int = 16) -> int:
+    """paged_decode_v4's dynamic shared memory: its ring of tiles (every thread's 2U K/V slices
+    per tile, U = decode_u in kernels.cu, of `slice_bytes` each: 16, or 16 / the query's element
+    size for an FP8 cache), or the warps' merge buffers (s_red and s_ml) that overlay it
+    afterwards, whichever is larger. The other kernels take none."""
     if variant != "v4":
         return 0
     u = 2 if maxg >= 8 else 4
-    ring = decode_stages() * 2 * u * DECODE_THREADS * 16
+    ring = decode_stages() * 2 * u * DECODE_THREADS * slice_bytes
     merge = (DECODE_THREADS // 32) * maxg * (max(HEAD_DIMS) + 2) * 4
     return max(ring, merge)
 
@@ -116,6 +127,7 @@ def _release_modules() -> None:
     gone by the time the cached modules would be collected)."""
     common_module.cache_clear()
     dtype_module.cache_clear()
+    fp8_module.cache_clear()
 
 
 atexit.register(_release_modules)
@@ -141,6 +153,30 @@ def dtype_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functio
     if dtype != torch.float32:
         names.append(f"prefill_mma<{t},{head_dim}>")
     return _Functions(tuple(names), device)
+
+
+@functools.cache
+def fp8_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions:
+    """The kernels of an FP8 KV cache for queries of `dtype`: its cache write, its gather
+    (dequantizing) and the decode kernels that read it; compiled on first use, apart from
+    dtype_module so that an unquantized cache compiles nothing more."""
+    if dtype not in CTYPE:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim} (supported: {HEAD_DIMS})")
+    t = CTYPE[dtype]
+    names = [
+        decode_kernel_name(variant, t, head_dim, g, FP8_CTYPE) for variant in FP8_DECODE_KERNELS for g in DECODE_MAXG
+    ]
+    names += [f"reshape_and_cache_fp8<{t},{n}>" for n in _FP8_RESHAPE_N]
+    names.append(f"gather_kv_fp8<{t}>")
+    return _Functions(tuple(names), device)
+
+
+def fp8_slice_bytes(dtype: torch.dtype) -> int:
+    """Bytes of a decode thread's K or V slice in an FP8 cache: one e4m3 byte for each of the
+    16 / element-size query elements it covers (a 16-bit cache's slice is 16 bytes)."""
+    return 16 // torch.empty(0, dtype=dtype).element_size()
 
 
 class _StreamRef:
@@ -246,6 +282,36 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream) 
     _launch(fn, (num_tokens,), 128, args, stream)
 
 
+def reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, stream) -> None:
+    """key/value [num_tokens, kvh, D] (any strides, last dim contiguous) -> e4m3 bytes of
+    key / k_scale and value / v_scale in the (uint8) cache slots."""
+    num_tokens, kvh, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    n = 8 if (aligned16(key) and aligned16(value) and head_dim % 8 == 0) else 1
+    fn = fp8_module(key.dtype, head_dim, key.device.index)[f"reshape_and_cache_fp8<{CTYPE[key.dtype]},{n}>"]
+    args = (
+        _p(key),
+        _p(value),
+        _p(key_cache),
+        _p(value_cache),
+        _p(slot_mapping),
+        _i64(key.stride(0)),
+        _i64(key.stride(1)),
+        _i64(value.stride(0)),
+        _i64(value.stride(1)),
+        _i32(kvh),
+        _i32(head_dim),
+        np.float32(k_scale),
+        np.float32(v_scale),
+    )
+    _launch(fn, (num_tokens,), 128, args, stream)
+
+
 def decode_blocks_per_sm(maxg: int) -> int:
     """Resident decode blocks per SM (the kernels' __launch_bounds__ minimum)."""
     return 3 if maxg >= 8 else 4
@@ -269,18 +335,30 @@ def paged_decode(
     stream,
     variant="v2",
     min_split=DECODE_MIN_SPLIT_TOKENS,
+    kv_scales=None,
 ) -> None:
     """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
 
     num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With v2 a
     context of n tokens uses only ceil(n / per) of them, per = max(ceil(n / Z) rounded up to
-    32, min_split) (kernels.cu, decode_split_tokens), and its decode_reduce merges only those."""
+    32, min_split) (kernels.cu, decode_split_tokens), and its decode_reduce merges only those.
+    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache (v2 / v4 only), else None: k_scale
+    goes into the query's scale, v_scale into the kernel's output."""
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
-    smem = decode_dynamic_smem(variant, maxg)
-    fn = mod.get(decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
+    scale_log2 = scale * np.log2(np.e)
+    v_scale = 1.0
+    if kv_scales is None:
+        smem = decode_dynamic_smem(variant, maxg)
+        fn = mod.get(decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
+    else:
+        smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
+        name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
+        fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
+        scale_log2 *= kv_scales[0]
+        v_scale = kv_scales[1]
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
@@ -310,10 +388,10 @@ def paged_decode(
         _i32(per_kv),
         _i32(bs_shift),
         _i32(window or 0),
-        np.float32(scale * np.log2(np.e)),
+        np.float32(scale_log2),
     )
     if variant != "v1":
-        args += (_i32(min_split),)
+        args += (_i32(min_split), np.float32(v_scale))
     device = query.device.index
     _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
     if num_splits > 1:
@@ -385,9 +463,16 @@ def gather_kv(
     max_context_len,
     bs_shift,
     stream,
+    kv_scales=None,
 ) -> None:
-    """Rows 0..ctx-1 of each prefill sequence's K/V -> packed [cu_k[p] + row] (16-byte rows)."""
+    """Rows 0..ctx-1 of each prefill sequence's K/V -> packed [cu_k[p] + row] (16-byte rows).
+    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache, whose values are dequantized into
+    key_out / value_out (their dtype) on the way."""
     if num_prefills == 0 or max_context_len == 0:
+        return
+    if kv_scales is not None:
+        _gather_kv_fp8(key_cache, value_cache, key_out, value_out, block_tables, context_lens, cu_k,
+                       num_decodes, num_prefills, max_context_len, bs_shift, stream, kv_scales)
         return
     row_bytes = key_cache.shape[-2] * key_cache.shape[-1] * key_cache.element_size()
     assert row_bytes % 16 == 0
@@ -404,5 +489,29 @@ def gather_kv(
         _i32(num_decodes),
         _i32(bs_shift),
         _i32(row_bytes // 16),
+    )
+    _launch(fn, (-(-max_context_len // 32), num_prefills), 128, args, stream)
+
+
+def _gather_kv_fp8(key_cache, value_cache, key_out, value_out, block_tables, context_lens, cu_k,
+                   num_decodes, num_prefills, max_context_len, bs_shift, stream, kv_scales) -> None:
+    assert key_cache.dtype == torch.uint8 and key_out.dtype in CTYPE
+    row_elems = key_cache.shape[-2] * key_cache.shape[-1]
+    assert row_elems % 8 == 0
+    fn = fp8_module(key_out.dtype, key_cache.shape[-1], key_cache.device.index)[f"gather_kv_fp8<{CTYPE[key_out.dtype]}>"]
+    args = (
+        _p(key_cache),
+        _p(value_cache),
+        _p(key_out),
+        _p(value_out),
+        _p(block_tables),
+        _i32(block_tables.stride(0)),
+        _p(context_lens),
+        _p(cu_k),
+        _i32(num_decodes),
+        _i32(bs_shift),
+        _i32(row_elems // 8),
+        np.float32(kv_scales[0]),
+        np.float32(kv_scales[1]),
     )
     _launch(fn, (-(-max_context_len // 32), num_prefills), 128, args, stream)

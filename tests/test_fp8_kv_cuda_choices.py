@@ -1,0 +1,85 @@
+"""The CUDA backend's FP8 KV cache choices that need no GPU: which kernels read it (their
+names and shared memory), what the constructor refuses (the cache dtype, a decode kernel
+that cannot read FP8, bad scales) and the GPU runner's block size in bytes. The kernels
+themselves: tests/gpu/test_fp8_kv_cache.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from inflightllm.attention.cuda import ops
+from inflightllm.attention.cuda.backend import CudaPagedAttention
+
+
+@pytest.fixture(autouse=True)
+def _fresh_knobs(monkeypatch):
+    for name in ("INFLIGHTLLM_DECODE_IMPL", "INFLIGHTLLM_DECODE_STAGES", "INFLIGHTLLM_DECODE_MIN_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    ops.decode_stages.cache_clear()
+    yield
+    ops.decode_stages.cache_clear()
+
+
+def test_fp8_kernel_names_take_the_cache_type_last():
+    assert ops.decode_kernel_name("v2", "__nv_bfloat16", 128, 4, ops.FP8_CTYPE) == (
+        "paged_decode_v2<__nv_bfloat16,128,4,fp8e4m3>"
+    )
+    assert ops.decode_kernel_name("v4", "float", 64, 8, ops.FP8_CTYPE) == "paged_decode_v4<float,64,8,3,fp8e4m3>"
+    # an unquantized cache keeps the names it had (the template argument defaults to T)
+    assert ops.decode_kernel_name("v4", "__half", 64, 2) == "paged_decode_v4<__half,64,2,3>"
+    assert ops.decode_kernel_name("v2", "__half", 64, 2, "__half") == "paged_decode_v2<__half,64,2>"
+    with pytest.raises(ValueError, match=r"decode kernel 'v1' does not read an FP8 cache"):
+        ops.decode_kernel_name("v1", "__nv_bfloat16", 128, 4, ops.FP8_CTYPE)
+
+
+def test_fp8_v4_ring_is_half_of_bf16s():
+    assert ops.fp8_slice_bytes(torch.bfloat16) == ops.fp8_slice_bytes(torch.float16) == 8
+    assert ops.fp8_slice_bytes(torch.float32) == 4
+    # 3 tiles x 128 threads x 2U slices of 8 bytes (U = 4), against 48 KiB for bf16
+    assert ops.decode_dynamic_smem("v4", 4, 8) == 3 * 128 * 8 * 8 == 24 * 1024
+    assert ops.decode_dynamic_smem("v4", 4) == 48 * 1024
+    # 8 query heads a block: the warps' merge buffers (4 warps x 8 heads x (128 + 2) floats) are larger
+    assert ops.decode_dynamic_smem("v4", 8, 8) == 4 * 8 * 130 * 4
+    assert ops.decode_dynamic_smem("v2", 4, 8) == 0
+
+
+def test_constructor_refusals(monkeypatch):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'fp16': allowed auto, fp8"):
+        CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp16")
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"kv_scales: layer 1 v_scale .* \(a finite positive number is allowed\)"):
+            CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8", kv_scales=[(1.0, 1.0), (0.5, bad)])
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v1")
+    assert CudaPagedAttention(8, 2, 64).decode_impl == "v1"  # an unquantized cache still may
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v1' does not read an FP8 KV cache "
+                                         r"\(engine.kv_cache_dtype fp8\); allowed: v2, v4, auto"):
+        CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8")
+
+
+def test_fp8_scales_and_kernel_choice():
+    attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8",
+                                   kv_scales=[(0.5, 2), (1, 1)])
+    assert attention.fp8 and attention.kv_scales == [(0.5, 2.0), (1.0, 1.0)]
+    assert all(isinstance(x, float) for pair in attention.kv_scales for x in pair)
+    # the same kernels as an unquantized cache: v4 where unsplit, else v2
+    assert attention.decode_kernel(1) == ("v2", 64)
+    assert attention.decode_kernel(1024) == ("v4", 1)
+    assert CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").kv_scales is None  # 1.0 a layer at allocation
+
+
+def test_gpu_runner_block_bytes_halve_with_fp8():
+    """The GPU runner sizes its cache from gpu_memory_utilization in bytes a block: one byte an
+    element with fp8, so twice the blocks of a bf16 cache in the same memory."""
+    from inflightllm.gpu.runner import GpuModelRunner
+
+    arch = types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    loaded = types.SimpleNamespace(dtype=torch.bfloat16)
+    sizes = {
+        kv: GpuModelRunner._bytes_per_block(types.SimpleNamespace(arch=arch, block_size=16, loaded=loaded,
+                                                                  kv_cache_dtype=kv))
+        for kv in ("auto", "fp8")
+    }
+    assert sizes == {"auto": 2 * 30 * 16 * 3 * 64 * 2, "fp8": 2 * 30 * 16 * 3 * 64}
