@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/de
 install_bundle
 case ",$SKIP," in *,tests,*) ;; *)
   # shellcheck disable=SC2086
-  step gpu_tests 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider $TESTS ;;
+  step gpu_tests "${TESTS_LIMIT:-300}" "$PY" -m pytest -m gpu -q -p no:cacheprovider -k "${TESTS_K:-not tp2}" $TESTS ;;
 esac
 case ",$SKIP," in *,ppl,*) ;; *)
   step perplexity 200 "$PY" -m perf.perplexity --device gpu --variants "$PPL_VARIANTS" --out "$OUT/perplexity.json" ;;
