@@ -79,12 +79,12 @@ def test_activation_quantizing_kernels_match_torch(tokens):
     _assert_same_quantization(q, scale, ref_q, ref_scale)
 
     x = torch.randn(tokens, 960, dtype=dtype, device="cuda")
-    x[0, 5] = 1e4  # saturation-free: the row's amax maps to 448
+    x[0, 5] = 1e4  # the row's amax maps to 448 (no saturation)
     ref_q, ref_scale = quantize_per_token(x)
     q, scale = _rows(tokens, 960)
     with ops.torch_stream():
         ops.quant_rows_fp8(q, scale, x)
-    _assert_same_quantization(q, scale, ref_q, ref_scale, min_equal=1.0)
+    _assert_same_quantization(q, scale, ref_q, ref_scale)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256, 2048])
@@ -180,7 +180,8 @@ def test_compressed_tensors_checkpoint_loads_on_the_gpu(tmp_path):
     from inflightllm.models.shapes import shape_config
     from tests import fp8_checkpoints as ckpt
 
-    config = AutoConfig.for_model(**dict(shape_config("tiny-llama3"), initializer_range=0.25))
+    # SmolLM2's shape (head_dim 64, as the CUDA attention kernels need) with two layers
+    config = AutoConfig.for_model(**dict(shape_config("smollm2-135m"), num_hidden_layers=2, initializer_range=0.25))
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
     folder = ckpt.write_compressed_tensors(tmp_path / "base", tmp_path / "ct", strategy="tensor", kv=True)

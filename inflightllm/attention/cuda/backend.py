@@ -202,7 +202,7 @@ class CudaPagedAttention(AttentionBackend):
         with cupy.cuda.Device(index):
             array = cupy.zeros(shape, dtype=storage)
         cache = torch.from_dlpack(array)
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16 and not self.fp8:  # (an FP8 cache stays uint8 bytes)
             cache = cache.view(torch.bfloat16)
         self._cupy_array = array
         self.kv_cache = cache
