@@ -294,7 +294,8 @@ def test_unaligned_write_equals_aligned_write():
     torch.manual_seed(6)
     kvh, d, scales = 3, 64, (0.3, 0.007)
     tokens = 40
-    values = torch.randn(2 * tokens * kvh * d + 1, device=DEV) * 100
+    count = 2 * tokens * kvh * d
+    values = torch.randn(count, device=DEV) * 100
     values[::97] = float("inf")
     values[::89] = -1e6
     slots = torch.randperm(64 * 16, device=DEV)[:tokens]
@@ -302,7 +303,9 @@ def test_unaligned_write_equals_aligned_write():
     for offset in (0, 1):
         backend = CudaPagedAttention(kvh * 2, kvh, d, kv_cache_dtype="fp8", kv_scales=[scales])
         backend.allocate_kv_cache(64, 16, 1, kvh, d, torch.float32, DEV)
-        kv = values[offset : offset + 2 * tokens * kvh * d].view(tokens, 2, kvh, d)
+        buffer = torch.zeros(count + 1, device=DEV)
+        buffer[offset : offset + count] = values  # the same values, 16-byte aligned or not
+        kv = buffer[offset : offset + count].view(tokens, 2, kvh, d)
         k, v = kv[:, 0], kv[:, 1]
         assert ops.aligned16(k) == (offset == 0)
         ops.reshape_and_cache_fp8(k, v, backend.key_cache[0], backend.value_cache[0], slots, *scales,
