@@ -21,6 +21,9 @@ KERNELS = (
     "rms_norm", "add_rms_norm", "add_rms_norm_vec", "rotary", "rotary_vec", "silu_and_mul", "silu_and_mul_vec",
     "quant_rows_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8",
 )
+# 16-byte variants of the FP8 quantizing kernels: 2-byte types only (8 values a chunk).
+FP8_VEC_KERNELS = ("quant_rows_fp8_vec", "add_rms_norm_fp8_vec", "silu_and_mul_fp8_vec")
+_FP8_NPT = 8  # FP8_NPT in layers.cu: 16-byte chunks a thread holds
 _ADD_NORM_NPT = 4  # ADD_NORM_NPT in layers.cu: 16-byte chunks a thread of add_rms_norm_vec holds
 
 
@@ -49,6 +52,7 @@ def _module(device: int):
     import cupy
 
     names = [f"{kernel}<{ctype}>" for kernel in KERNELS for ctype in CUDA_TYPES.values()]
+    names += [f"{kernel}<{ctype}>" for kernel in FP8_VEC_KERNELS for ctype in ("__half", "__nv_bfloat16")]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -210,36 +214,64 @@ def _check_fp8_out(q: torch.Tensor, scale: torch.Tensor, tokens: int, width: int
         raise ValueError(f"fp8 rows: width {width} must be even")
 
 
-def quant_rows_fp8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+def _fp8_vec_threads(width: int, dtype: torch.dtype, vector: bool | None, *tensors: torch.Tensor) -> int:
+    """Threads of a 16-byte FP8 quantizing kernel for rows of `width` (about 4 chunks a thread,
+    at most FP8_NPT), or 0 where the scalar kernel must run (4-byte type, rows not whole
+    16-byte chunks or not aligned, too wide, or `vector` False / vector_kernels() off)."""
+    vector = vector_kernels() if vector is None else vector
+    if not vector or dtype.itemsize != 2 or width % 8 or not _aligned16(*tensors):
+        return 0
+    chunks = width // 8
+    threads = _threads(max(-(-chunks // 4), 1))
+    return threads if threads * _FP8_NPT >= chunks else 0
+
+
+def quant_rows_fp8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, vector: bool | None = None) -> None:
     """q, scale = quantize_per_token(x); x [tokens, width] contiguous."""
     tokens, width = x.shape
     _check_fp8_out(q, scale, tokens, width)
-    if tokens:
+    threads = _fp8_vec_threads(width, x.dtype, vector, x)
+    if tokens and threads:
+        _kernel("quant_rows_fp8_vec", x.dtype, x.device.index)(
+            (tokens,), (threads,), (_ptr(q), _ptr(scale), _ptr(x), np.int32(width))
+        )
+    elif tokens:
         _kernel("quant_rows_fp8", x.dtype, x.device.index)(
             (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(x), np.int32(width))
         )
 
 
 def add_rms_norm_fp8(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor | None, residual: torch.Tensor,
-                     weight: torch.Tensor, eps: float) -> None:
+                     weight: torch.Tensor, eps: float, vector: bool | None = None) -> None:
     """residual += delta (unless None); q, scale = quantize_per_token(weight * rmsnorm(residual))."""
     tokens, width = residual.shape
     _check_fp8_out(q, scale, tokens, width)
     if delta is not None and (delta.shape != residual.shape or not delta.is_contiguous()):
         raise ValueError(f"delta: need a contiguous {tuple(residual.shape)}, got {tuple(delta.shape)}")
-    if tokens:
+    threads = _fp8_vec_threads(width, residual.dtype, vector, residual, weight, *([delta] if delta is not None else []))
+    if tokens and threads:
+        _kernel("add_rms_norm_fp8_vec", residual.dtype, residual.device.index)(
+            (tokens,), (threads,),
+            (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
+        )
+    elif tokens:
         _kernel("add_rms_norm_fp8", residual.dtype, residual.device.index)(
             (tokens,), (_threads(min(width // 2, 1024)),),
             (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
         )
 
 
-def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor) -> None:
+def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor, vector: bool | None = None) -> None:
     """q, scale = quantize_per_token(silu(gate_up[:, :width]) * gate_up[:, width:])."""
     tokens, double = gate_up.shape
     width = double // 2
     _check_fp8_out(q, scale, tokens, width)
-    if tokens:
+    threads = _fp8_vec_threads(width, gate_up.dtype, vector, gate_up)
+    if tokens and threads:
+        _kernel("silu_and_mul_fp8_vec", gate_up.dtype, gate_up.device.index)(
+            (tokens,), (threads,), (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
+        )
+    elif tokens:
         _kernel("silu_and_mul_fp8", gate_up.dtype, gate_up.device.index)(
             (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
         )
