@@ -48,7 +48,7 @@ from inflightllm.sampling_params import SamplingParams  # noqa: E402
 from perf.bench_gpu import decode_step_ms, host_ms_per_step, profile_decode, reset_host_times  # noqa: E402
 
 REPORT: dict = {}
-ASYNC_SCHEDULING = True  # --sync-scheduling turns it off (the TP figures in docs/PERFORMANCE.md up to the PDL pass were taken so)
+ASYNC_SCHEDULING = True  # --sync-scheduling turns it off (TP figures before 2026-11-30 late night were taken so: git log -p docs/PERFORMANCE.md)
 
 
 def save(out: Path | None) -> None:
