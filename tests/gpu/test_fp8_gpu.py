@@ -200,3 +200,25 @@ def test_compressed_tensors_checkpoint_loads_on_the_gpu(tmp_path):
         assert torch.equal(layer["qkv_scale"][0, q : q + kv].cpu(), module.weight_scale)
     results = run(engine, make_prompts(4, engine.vocab_size, seed=2), [8] * 4)
     assert all(len(r.token_ids) == 8 for r in results)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows, width", [(4096, 4096), (1536, 576), (576, 1536)])
+def test_small_batch_fp8_gemv_matches_the_weight_only_reference(tokens, rows, width):
+    """The small-batch GEMV over e4m3 rows (16 a load, scaled after the dot product) against
+    `fp8.linear_weight_only`: the W8A16 reference the one-token steps follow."""
+    from inflightllm.gpu import ops
+    from inflightllm.quantization.fp8 import linear_weight_only
+
+    torch.manual_seed(tokens + rows)
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, device="cuda")
+    weight_q, weight_scale = quantize_per_channel(torch.randn(rows, width, device="cuda") * 0.02)
+    out = torch.empty(tokens, rows, dtype=torch.bfloat16, device="cuda")
+    with ops.torch_stream():
+        ops.small_gemv(out, x, weight_q, None, weight_scale=weight_scale)
+    torch.cuda.synchronize()
+    expected = linear_weight_only(x, weight_q, weight_scale).float()
+    error = float((out.float() - expected).norm() / expected.norm())
+    assert error < 5e-3, error
+    with pytest.raises(ValueError, match="FP8 weights need contiguous float32 scales"):
+        ops.small_gemv(out, x, weight_q, None)
