@@ -481,12 +481,15 @@ __device__ __forceinline__ void unpack(const uint4& v, float* f, float) {
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
 }
 
-// FP8 weights (WT = unsigned char: e4m3 bytes): a 16-byte chunk holds 16 weights, which meet
-// two 16-byte chunks of 16-bit activations; converted in registers (cvt f16x2.e4m3x2: exact),
-// the row's channel scale applied to the finished dot product. WChunk: the weight chunk's type,
-// its values (VEC), the chunks in flight a lane (U) and its conversion to floats.
-__device__ __forceinline__ void unpack_e4m3x8(unsigned int w0, unsigned int w1, float* f) {
-    const unsigned int words[2] = {w0, w1};
+// FP8 weights (WT = unsigned char: e4m3 bytes): a chunk is the 8 bytes of the 8 weights that
+// meet one 16-byte chunk of 16-bit activations, converted in registers (cvt f16x2.e4m3x2: exact),
+// the row's channel scale applied to the finished dot product. More chunks in flight (U) than
+// for 16-bit weights: the same bytes in flight per lane.
+template <typename T, typename WT> struct WChunk { using type = uint4; static constexpr int U = 4; };
+template <typename T> struct WChunk<T, unsigned char> { using type = uint2; static constexpr int U = 8; };
+
+__device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
+    const unsigned int words[2] = {v.x, v.y};
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
         unsigned int lo, hi;
@@ -497,20 +500,10 @@ __device__ __forceinline__ void unpack_e4m3x8(unsigned int w0, unsigned int w1, 
         f[4 * k] = a.x; f[4 * k + 1] = a.y; f[4 * k + 2] = b.x; f[4 * k + 3] = b.y;
     }
 }
-template <typename T, typename WT> struct WChunk {
-    using type = uint4;
-    static constexpr int VEC = 16 / sizeof(T), U = 4;
-    static __device__ __forceinline__ void to_float(const uint4& v, float* f) { unpack(v, f, T()); }
-};
-template <typename T> struct WChunk<T, unsigned char> {
-    using type = uint4;
-    static constexpr int VEC = 16, U = 4;
-    static __device__ __forceinline__ void to_float(const uint4& v, float* f) {
-        unpack_e4m3x8(v.x, v.y, f);
-        unpack_e4m3x8(v.z, v.w, f + 8);
-    }
-};
+template <typename T> __device__ __forceinline__ void unpack_w(const uint4& v, float* f) { unpack(v, f, T()); }
+template <typename T> __device__ __forceinline__ void unpack_w(const uint2& v, float* f) { unpack_e4m3x8(v, f); }
 __device__ __forceinline__ void pin(uint4& w) { asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w)); }
+__device__ __forceinline__ void pin(uint2& w) { asm volatile("" : "+r"(w.x), "+r"(w.y)); }
 
 // The U x R weight chunks of a batch at chunk c (lane-strided by 32), streaming loads.
 template <typename C, int R, int U, typename WT>
@@ -532,10 +525,7 @@ __device__ __forceinline__ bool whole_batch(int c, int chunks) { return c + 32 *
 template <typename T, int M, int R, int U, typename WT, typename C>
 __device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int count, int K, float (&acc)[R][M],
                                          C (&w)[U][R]) {
-    using WC = WChunk<T, WT>;
-    constexpr int VEC = WC::VEC;          // weights a chunk
-    constexpr int XVEC = 16 / sizeof(T);  // activations a 16-byte load
-    constexpr int XPER = VEC / XVEC;      // activation loads a weight chunk
+    constexpr int VEC = 16 / sizeof(T);
     const int lane = threadIdx.x & 31;
     const int chunks = K / VEC;
     int c = lane;
@@ -551,14 +541,13 @@ __device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int 
         for (int u = 0; u < U; ++u) {
             float wf[R][VEC];
 #pragma unroll
-            for (int r = 0; r < R; ++r) WC::to_float(w[u][r], wf[r]);
+            for (int r = 0; r < R; ++r) unpack_w<T>(w[u][r], wf[r]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 if (m >= count) break;
+                const uint4 xv = *(reinterpret_cast<const uint4*>(x + (long)m * K) + c + 32 * u);
                 float xf[VEC];
-#pragma unroll
-                for (int k = 0; k < XPER; ++k)
-                    unpack(*(reinterpret_cast<const uint4*>(x + (long)m * K) + (c + 32 * u) * XPER + k), xf + k * XVEC, T());
+                unpack(xv, xf, T());
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -569,14 +558,13 @@ __device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int 
     for (; c < chunks; c += 32) {
         float wf[R][VEC];
 #pragma unroll
-        for (int r = 0; r < R; ++r) WC::to_float(__ldcs(reinterpret_cast<const C*>(rows[r]) + c), wf[r]);
+        for (int r = 0; r < R; ++r) unpack_w<T>(__ldcs(reinterpret_cast<const C*>(rows[r]) + c), wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if (m >= count) break;
+            const uint4 xv = *(reinterpret_cast<const uint4*>(x + (long)m * K) + c);
             float xf[VEC];
-#pragma unroll
-            for (int k = 0; k < XPER; ++k)
-                unpack(*(reinterpret_cast<const uint4*>(x + (long)m * K) + c * XPER + k), xf + k * XVEC, T());
+            unpack(xv, xf, T());
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -756,7 +744,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
     const WT* rows[2] = {W + row1 * K, W + row2 * K};
     constexpr int U = WChunk<T, WT>::U;
     typename WChunk<T, WT>::type w[U][2];
-    if (unit < units && whole_batch<U>(threadIdx.x & 31, K / WChunk<T, WT>::VEC))
+    if (unit < units && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
         load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     uint4 wpre[NPRE];
     prefetch_norm_weight<T>(wpre, norm_weight, K);
@@ -838,7 +826,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
     const WT* rows[2] = {W + (long)j * K, W + (long)(inter + j) * K};
     constexpr int U = WChunk<T, WT>::U;
     typename WChunk<T, WT>::type w[U][2];
-    if (j < inter && whole_batch<U>(threadIdx.x & 31, K / WChunk<T, WT>::VEC))
+    if (j < inter && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
         load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     uint4 wpre[NPRE];
     prefetch_norm_weight<T>(wpre, norm_weight, K);
@@ -887,7 +875,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
     const WT* rows[2] = {W + (long)(active ? n : 0) * K, W + (long)(pair ? n + 1 : (active ? n : 0)) * K};
     constexpr int U = WChunk<T, WT>::U;
     typename WChunk<T, WT>::type w[U][2];
-    if (active && whole_batch<U>(threadIdx.x & 31, K / WChunk<T, WT>::VEC))
+    if (active && whole_batch<U>(threadIdx.x & 31, K / (16 / (int)sizeof(T))))
         load_batch<typename WChunk<T, WT>::type, 2, U>(w, rows, threadIdx.x & 31);
     pdl_wait();  // x comes from the kernel before
     if (!active && fused.bases == nullptr) return;

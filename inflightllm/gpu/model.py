@@ -101,11 +101,8 @@ class GpuLlama:
         hidden, inter = arch.hidden_size, self.intermediate_size
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        # With FP8 weights too: the small-batch kernels read e4m3 rows (dequantized in registers),
-        # 16 weights a load, so every GEMV's K must be a multiple of 16.
-        self.small_batch_kernels = small_batch_kernels_enabled(dtype) and (
-            quantization is None or all(k % 16 == 0 for k in (hidden, self.q_size, inter))
-        )
+        # With FP8 weights too: the small-batch kernels read e4m3 rows (dequantized in registers).
+        self.small_batch_kernels = small_batch_kernels_enabled(dtype)
         # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
         # cores (measured on the H200: faster than cuBLAS at 1 token, slower from 2).
         self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS

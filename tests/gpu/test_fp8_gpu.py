@@ -205,7 +205,7 @@ def test_compressed_tensors_checkpoint_loads_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8])
 @pytest.mark.parametrize("rows, width", [(4096, 4096), (1536, 576), (576, 1536)])
 def test_small_batch_fp8_gemv_matches_the_weight_only_reference(tokens, rows, width):
-    """The small-batch GEMV over e4m3 rows (16 a load, scaled after the dot product) against
+    """The small-batch GEMV over e4m3 rows (8 a load, scaled after the dot product) against
     `fp8.linear_weight_only`: the W8A16 reference the one-token steps follow."""
     from inflightllm.gpu import ops
     from inflightllm.quantization.fp8 import linear_weight_only
