@@ -21,7 +21,7 @@ BUNDLE_PREFIX ?= $(HOME)/inflightllm-bundle
 INSTALL_STAMP := $(VENV)/.installed
 SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 
-.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
+.PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench bench-rows clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
 	bench-experiments perf-analyzer bench-gpu-server plots-from-json \
 	bench-bookkeeping soak bench-pieces bench-host-path
@@ -127,10 +127,20 @@ bench: install
 	@if $(PY) -c "import sys; from inflightllm.profile import load_profile; sys.exit(load_profile('$(PROFILE)').engine.device != 'gpu')"; then \
 		echo "$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS)"; \
 		$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS); \
+		echo "$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS)"; \
+		$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS); \
 	else \
 		echo "$(PY) perf/bench_engine.py"; \
 		$(PY) perf/bench_engine.py; \
 	fi
+
+# Engine-only throughput on TensorRT-LLM's four ISL/OSL rows (128/128 x 1,024, 2048/128 x 512,
+# 128/2048 x 512, 2048/2048 x 256) for any profile (perf/bench_rows.py; `make bench` runs it
+# for GPU profiles). ROWS_ARGS="--variants bf16,fp8" compares the profile in bf16 and FP8 in
+# one run; a CPU profile takes small rows: ROWS_ARGS="--rows 16/8x8 --max-batch-size 8".
+ROWS_ARGS ?=
+bench-rows: install prepare-model
+	$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS)
 
 # perf/bench_gpu_server.py for any profile (a CPU profile at small sizes checks it end to end):
 #   make bench-gpu-server PROFILE=profiles/smollm2-cpu.yaml BENCH_ARGS="--num-requests 16 --input-len 16 --output-len 16 --client-procs 2"
