@@ -11,12 +11,17 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
+from inflightllm.guided.spec import GuidedSpecError, check_spec
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
 from inflightllm.models.loader import LoadedModel, load_model
@@ -209,6 +214,10 @@ class Engine:
         self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "steps": 0}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
+        # Structured output: the grammar compiler (made with the first constrained request)
+        # and the requests waiting for their grammar, queued outside the scheduler.
+        self._grammars = None
+        self._compiling: list[Request] = []
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -228,6 +237,11 @@ class Engine:
                 f"input_ids: token id {bad} is out of range; allowed: 0 to {self.vocab_size - 1}"
             )
         params.validate(self.vocab_size, self.config.max_output_len)
+        if params.guided is not None:
+            try:
+                check_spec(params.guided)  # parsing only (no tokenizer): cheap, any thread
+            except GuidedSpecError as error:
+                raise InvalidRequestError(str(error)) from None
         priorities = rules.priority_range(self.config.priority_levels)
         if not priorities.contains(priority):
             raise InvalidRequestError(f"priority: {priority} is out of range; allowed: {priorities.allowed}")
@@ -262,10 +276,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params, priority)
         limit = self.config.max_queue_size
-        if limit and len(self.scheduler.waiting) >= limit:
+        if limit and self.num_waiting >= limit:
             self._counters.rejected += 1
             raise QueueFullError(
-                f"the engine's queue is full: {len(self.scheduler.waiting)} requests are waiting "
+                f"the engine's queue is full: {self.num_waiting} requests are waiting "
                 f"(max_queue_size {limit}); try again later"
             )
         request = Request(
@@ -284,17 +298,57 @@ class Engine:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (request.deadline, self._deadline_seq, request))
         self.requests[request_id] = request
-        self.scheduler.add_request(request)
+        if params.guided is not None:  # queued here until its grammar is compiled
+            request.grammar_future = self.grammar_compiler().submit(params.guided)
+            self._compiling.append(request)
+        else:
+            self.scheduler.add_request(request)
         self._counters.prompt_tokens += len(prompt_token_ids)
         return request
 
+    def grammar_compiler(self, tokenizer=None):
+        """The compiler of guided-decoding grammars (its worker thread starts on first use;
+        it loads the model's tokenizer there unless given one, e.g. a test's own)."""
+        if self._grammars is None:
+            from inflightllm.guided.compiler import GrammarCompilerPool
+
+            self._grammars = GrammarCompilerPool(
+                getattr(self.loaded, "folder", None), self.vocab_size, self.loaded.eos_token_ids,
+                tokenizer=tokenizer,
+            )
+        return self._grammars
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Constrained requests whose grammar is ready join the scheduler's queue; a compile
+        error fails its request alone. When nothing else could run, waits briefly for a
+        compile rather than spinning."""
+        if not self.scheduler.has_unfinished() and self._inflight is None and not outputs:
+            wait_futures([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still: list[Request] = []
+        for request in self._compiling:
+            future = request.grammar_future
+            if not future.done():
+                still.append(request)
+                continue
+            request.grammar_future = None
+            error = future.exception()
+            if error is not None:
+                message = str(error) if isinstance(error, GuidedSpecError) else (
+                    f"{request.params.guided.field}: the grammar did not compile: {type(error).__name__}: {error}")
+                self._fail(request, message, outputs)
+                continue
+            from inflightllm.guided.matcher import GuidedState
+
+            request.guided = GuidedState(future.result(), self.vocab_size)
+            self.scheduler.add_request(request)
+        self._compiling = still
     def count_rejected(self) -> None:
         """A request refused before `add_request` (the serving loop saw the queue full)."""
         self._counters.rejected += 1
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def _expire_waiting(self, outputs: list[RequestOutput], now: float) -> None:
         """Fail requests that waited in the queue past their deadline (never started)."""
@@ -331,7 +385,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._counters.pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._counters.pending) or self._inflight is not None
+                or bool(self._compiling))
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -341,6 +396,8 @@ class Engine:
         outputs, self._counters.pending = self._counters.pending, []
         if self._deadlines:
             self._expire_waiting(outputs, time.monotonic())
+        if self._compiling:
+            self._admit_compiled(outputs)
         if not self.async_scheduling:
             scheduled = self.scheduler.schedule()
             self._counters.tokens_last_step = scheduled.num_batched_tokens
@@ -468,7 +525,16 @@ class Engine:
             request.last_token_time = now
             generated += 1
             try:
-                reason = check_stop(request)
+                if request.guided is not None:
+                    reason = self._advance_grammar(request, token_ids[row])
+                    if reason is FinishReason.ERROR:
+                        self._fail(request, f"{request.params.guided.field}: the sampled token "
+                                            f"{token_ids[row]} is not allowed by the grammar", outputs)
+                        continue
+                    if reason is none:
+                        reason = check_stop(request)
+                else:
+                    reason = check_stop(request)
                 if reason is not none:
                     self._finish(request, reason)
                 elif not request.streaming:
@@ -482,6 +548,31 @@ class Engine:
             if output is not None:
                 outputs.append(output)
         self._counters.generation_tokens += generated
+
+    def _advance_grammar(self, request: Request, token: int) -> FinishReason:
+        """Move a constrained request's grammar over its new token. ERROR: the grammar
+        refused it; STOP: the grammar is done (a stop token ended it, or nothing but a
+        stop token may follow: the request ends now, so `min_tokens`, which bans stop
+        tokens, never leaves a row with no token to sample); NONE: it goes on."""
+        guided = request.guided
+        if not guided.accept(token):
+            return FinishReason.ERROR
+        if guided.is_terminated:
+            if token in request.stop_token_ids or token in request.eos_token_ids:
+                self._drop_last(request, 1)  # the stop token is not part of the output
+            return FinishReason.STOP
+        if guided.allows_only(request.eos_token_ids):
+            reason = self._check_stop(request)  # a stop sequence or the length may end it first
+            return reason if reason is not FinishReason.NONE else FinishReason.STOP
+        return FinishReason.NONE
+
+    def _guided_masks(self, step: StepDescription, scheduled: SchedulerOutput) -> None:
+        """The allowed next tokens of the constrained requests that sample this step, one
+        row each, filled on the host from their matchers."""
+        rows = [item.request for item in scheduled.scheduled if item.request.guided is not None and item.samples]
+        if rows:
+            step.guided_request_ids = [request.request_id for request in rows]
+            step.guided_bitmask = np.stack([request.guided.next_mask() for request in rows])
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others
@@ -521,6 +612,8 @@ class Engine:
                 if sent != len(table):
                     runner_blocks[request_id] = len(table)
             packed.append((request_id, item.num_new_tokens))
+        if self._grammars is not None:
+            self._guided_masks(step, scheduled)
         return step
 
     def _drop_last(self, request: Request, count: int) -> None:
@@ -572,6 +665,9 @@ class Engine:
         return longest
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.grammar_future is not None:  # cancelled or timed out while its grammar compiled
+            request.grammar_future = None
+            self._compiling.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.monotonic()

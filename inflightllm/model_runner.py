@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from inflightllm.attention import AttentionBackend, SequenceSlice, make_attention_backend
+from inflightllm.guided.matcher import apply_step_bitmask
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
 from inflightllm.sampler import Sampler
@@ -134,6 +135,8 @@ class ModelRunner:
             return result
         selected = hidden[torch.tensor(last_positions, dtype=torch.int64, device=self.device)]
         logits = self.model.compute_logits(selected)  # [num_sampling, vocab] float32
+        if step.guided_request_ids:  # structured output: the constrained rows' masks, one call
+            apply_step_bitmask(logits, step, [state.request_id for state in sampling])
         sampled = self.sampler(logits, sampling)
         for row, state in enumerate(sampling):
             if sampled.errors[row] is not None:  # this request fails alone; the others go on

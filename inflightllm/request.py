@@ -80,6 +80,10 @@ class Request:
     # Asynchronous scheduling: tokens being sampled on the device, not yet in token_ids.
     num_inflight: int = 0
     final_pending: bool = False  # the token in flight ends it by length: schedule nothing more
+    # Structured output (params.guided): its compile in flight, then its grammar state
+    # (inflightllm.guided.GuidedState), advanced by the engine with each appended token.
+    grammar_future: object | None = None
+    guided: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -96,8 +100,9 @@ class Request:
         self.stop_multi = tuple(seq for seq in self.params.stop_sequences if len(seq) > 1)
         self.banned_single = frozenset(seq[0] for seq in self.params.bad_words if len(seq) == 1)
         self.banned_multi = tuple(seq for seq in self.params.bad_words if len(seq) > 1)
-        # Sampling reads its earlier tokens' values (not just their count).
-        self.needs_history = self.params.needs_penalties or bool(self.banned_multi)
+        # Sampling reads its earlier tokens' values (not just their count); a grammar's mask
+        # for the next token is known once the previous token is.
+        self.needs_history = self.params.needs_penalties or bool(self.banned_multi) or self.params.guided is not None
 
     @property
     def num_tokens(self) -> int:

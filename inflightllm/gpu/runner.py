@@ -28,6 +28,7 @@ from inflightllm.config import EngineConfig
 from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
 from inflightllm.gpu.staging import PinnedStaging
+from inflightllm.guided.matcher import apply_step_bitmask
 from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
@@ -404,6 +405,9 @@ class GpuModelRunner:
             return LaunchedStep(self, [], None, None)
         request_ids = [ids[i] for i in order[samples]]
         states = [self.states[request_id] for request_id in request_ids]
+        if step.guided_request_ids:  # structured output: the constrained rows' masks, applied
+            # to the logits (after any graph replay) in one batched call, no host sync
+            apply_step_bitmask(logits, step, request_ids, self.staging.upload)
         positions = self.num_tokens[sample_rows]  # where each new token goes
         sampled = self.sampler.sample(logits, sample_rows, states, positions - self.prompt_lens[sample_rows])
         self.last_sampled.index_copy_(0, self.staging.upload(sample_rows), sampled.token_ids)
