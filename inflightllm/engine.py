@@ -562,8 +562,8 @@ class Engine:
                 self._drop_last(request, 1)  # the stop token is not part of the output
             return FinishReason.STOP
         if guided.allows_only(request.eos_token_ids):
-            reason = self._check_stop(request)  # a stop sequence or the length may end it first
-            return reason if reason is not FinishReason.NONE else FinishReason.STOP
+            self._check_stop(request)  # drops a stop sequence that ends here; the grammar is done: STOP
+            return FinishReason.STOP
         return FinishReason.NONE
 
     def _guided_masks(self, step: StepDescription, scheduled: SchedulerOutput) -> None:

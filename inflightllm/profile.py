@@ -29,7 +29,6 @@ from inflightllm.config import (
     EngineConfig,
 )
 from inflightllm.model_source import (
-    DTYPE_BYTES,
     DTYPES,
     QUANTIZATIONS,
     SOURCES,

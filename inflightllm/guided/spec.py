@@ -22,6 +22,11 @@ KINDS = {
     "choice": "guided_choice",
 }
 
+# The kinds' codes in the engine model's `guided_type` input (0: no constraint); the text
+# travels as UTF-8 bytes in `guided_guide` (docs/INTERFACE.md, "preprocessing -> engine").
+KIND_CODES = {"json_schema": 1, "json_object": 2, "regex": 3, "grammar": 4, "choice": 5}
+KIND_BY_CODE = {code: kind for kind, code in KIND_CODES.items()}
+
 # JSON Schema keywords xgrammar enforces (json_schema_converter), and annotations that
 # constrain nothing. Any other keyword (allOf, multipleOf, uniqueItems, not, if/then, ...)
 # would be ignored or only partly enforced by the grammar: it is refused instead, naming
