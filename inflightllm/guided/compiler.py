@@ -83,8 +83,8 @@ class GrammarCompilerPool:
         try:
             if spec.kind == "json_schema":
                 return compiler.compile_json_schema(spec.text, any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # a JSON object (not any JSON value), any keys
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             if spec.kind == "grammar":

@@ -85,8 +85,8 @@ def choice_spec(choices) -> GuidedSpec:
 
 
 def json_schema_spec(schema, field: str = "guided_json") -> GuidedSpec:
-    """A JSON schema given as a dict or JSON text; the text is normalised (sorted keys) so
-    equal schemas share one compiled grammar."""
+    """A JSON schema given as a dict or JSON text (normalised to compact JSON text, the key
+    order kept: it is the order of the generated object's properties)."""
     if isinstance(schema, (str, bytes)):
         try:
             schema = json.loads(schema)
@@ -96,7 +96,7 @@ def json_schema_spec(schema, field: str = "guided_json") -> GuidedSpec:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise GuidedSpecError(f"{field}: the schema must be a JSON object, got {type(schema).__name__}")
-    return GuidedSpec("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    return GuidedSpec("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def choice_grammar(text: str) -> str:
