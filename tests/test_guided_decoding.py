@@ -24,7 +24,7 @@ from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from tests.guided_cases import GRAMMARS, REGEXES, SCHEMAS
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 48
+MAX_TOKENS = 64
 
 
 def make_engine(loaded, tokenizer, **overrides) -> Engine:
