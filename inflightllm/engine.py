@@ -218,6 +218,11 @@ class Engine:
         # and the requests waiting for their grammar, queued outside the scheduler.
         self._grammars = None
         self._compiling: list[Request] = []
+        # Asynchronous scheduling with a runner that samples after `launch` when told to
+        # (`sample_guided`): constrained rows' masks are filled while the step runs, from
+        # the tokens of the step before it (emitted meanwhile). Other runners (tensor
+        # parallel) get the masks in the step, which then waits for the step in flight.
+        self._defer_masks = self.async_scheduling and bool(getattr(self.runner, "defers_guided_sampling", False))
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -238,6 +243,9 @@ class Engine:
             )
         params.validate(self.vocab_size, self.config.max_output_len)
         if params.guided is not None:
+            if self.config.runner == "dummy":
+                raise InvalidRequestError(
+                    f"{params.guided.field}: the dummy runner has no model to constrain; allowed: no constraint")
             try:
                 check_spec(params.guided)  # parsing only (no tokenizer): cheap, any thread
             except GuidedSpecError as error:
@@ -424,12 +432,15 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
+        deferred: list[Request] = []  # constrained rows whose masks come after the launch
         if not (scheduled.is_empty and not scheduled.swapped_out):
             try:
                 description = self._describe(scheduled)
                 described = time.perf_counter()
                 times["schedule"] += described - start
                 handle = self.runner.launch(description)
+                deferred = [self.requests[request_id] for request_id in description.guided_request_ids
+                            ] if description.guided_bitmask is None else []
                 start = time.perf_counter()
                 times["launch"] += start - described
                 times["steps"] += 1
@@ -449,6 +460,8 @@ class Engine:
                 launched = (handle, [item.request for item in scheduled.scheduled])
         if self._inflight is not None:
             self._resolve(outputs)
+        if launched is not None and deferred:
+            self._sample_guided(launched[0], deferred, outputs)
         self._inflight = launched
         return outputs
 
@@ -464,7 +477,9 @@ class Engine:
                 self._fail(item.request, message, outputs)
 
     def _needs_history(self) -> bool:
-        return any(request.needs_history for request in self.scheduler.running)
+        if self._defer_masks:
+            return any(request.needs_history for request in self.scheduler.running)
+        return any(request.needs_history or request.guided is not None for request in self.scheduler.running)
 
     def _resolve(self, outputs: list[RequestOutput]) -> None:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
@@ -572,7 +587,31 @@ class Engine:
         rows = [item.request for item in scheduled.scheduled if item.request.guided is not None and item.samples]
         if rows:
             step.guided_request_ids = [request.request_id for request in rows]
-            step.guided_bitmask = np.stack([request.guided.next_mask() for request in rows])
+            if not self._defer_masks:  # else filled after launch (`_sample_guided`)
+                step.guided_bitmask = self._bitmask(rows)
+
+    def _bitmask(self, requests: list[Request]) -> np.ndarray:
+        """[len(requests), words] int32: each request's allowed next tokens; all allowed for
+        one that ended meanwhile (its token is dropped)."""
+        masks = []
+        for request in requests:
+            guided = request.guided
+            if request.is_finished or guided.is_terminated:
+                masks.append(np.full(guided.num_words, -1, np.int32))
+            else:
+                masks.append(guided.next_mask())
+        return np.stack(masks)
+
+    def _sample_guided(self, handle, requests: list[Request], outputs: list[RequestOutput]) -> None:
+        """The launched step's constrained rows get their masks (their matchers have just
+        taken the previous step's tokens) and the runner samples the step."""
+        try:
+            handle.sample_guided(self._bitmask(requests))
+        except Exception as error:  # its requests fail alone, as a failed step's do
+            logger.exception("guided sampling failed; failing the %d constrained requests", len(requests))
+            for request in requests:
+                if not request.is_finished:
+                    self._fail(request, f"engine step failed: {type(error).__name__}: {error}", outputs)
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others

@@ -100,9 +100,8 @@ class Request:
         self.stop_multi = tuple(seq for seq in self.params.stop_sequences if len(seq) > 1)
         self.banned_single = frozenset(seq[0] for seq in self.params.bad_words if len(seq) == 1)
         self.banned_multi = tuple(seq for seq in self.params.bad_words if len(seq) > 1)
-        # Sampling reads its earlier tokens' values (not just their count); a grammar's mask
-        # for the next token is known once the previous token is.
-        self.needs_history = self.params.needs_penalties or bool(self.banned_multi) or self.params.guided is not None
+        # Sampling reads its earlier tokens' values (not just their count).
+        self.needs_history = self.params.needs_penalties or bool(self.banned_multi)
 
     @property
     def num_tokens(self) -> int:

@@ -211,32 +211,39 @@ def test_stop_word_inside_a_constrained_output(smollm2_loaded, smollm2_tokenizer
     assert re.fullmatch(r"[0-9]{1,2}", smollm2_tokenizer.decode(tokens))
 
 
-def constrained_batch(tokenizer):
+def constrained_batch(tokenizer, max_tokens: int = MAX_TOKENS):
     texts = ["Reply in JSON:", "Answer:", "Write it:"]
     specs = [json_schema_spec(SCHEMAS[25]), GuidedSpec("regex", REGEXES[3]), GuidedSpec("grammar", GRAMMARS[3][0])]
     requests = []
     for index, (text, spec) in enumerate(zip(texts * 2, specs * 2)):
         sampled = index >= 3
-        params = SamplingParams(max_tokens=MAX_TOKENS, guided=spec, temperature=0.8 if sampled else 0.0,
+        params = SamplingParams(max_tokens=max_tokens, guided=spec, temperature=0.8 if sampled else 0.0,
                                 seed=5 if sampled else None)
         requests.append((f"r{index}", tokenizer.encode(text), params))
     return requests
 
 
 def test_preemption_keeps_the_grammar_state(smollm2_loaded, smollm2_tokenizer):
-    requests = constrained_batch(smollm2_tokenizer)
+    requests = constrained_batch(smollm2_tokenizer, max_tokens=40)
     plenty = run(make_engine(smollm2_loaded, smollm2_tokenizer), requests)
-    tight = make_engine(smollm2_loaded, smollm2_tokenizer, num_kv_blocks=12, block_size=8)
+    tight = make_engine(smollm2_loaded, smollm2_tokenizer, num_kv_blocks=6, block_size=8)
     preempted = run(tight, requests)
     assert tight.stats().num_preemptions_total > 0
     assert preempted == plenty
 
 
-def test_async_scheduling_gives_the_same_outputs(smollm2_loaded, smollm2_tokenizer):
+@pytest.mark.parametrize("deferred", [True, False], ids=["masks-after-launch", "masks-in-step"])
+def test_async_scheduling_gives_the_same_outputs(smollm2_loaded, smollm2_tokenizer, deferred):
+    """Asynchronous scheduling: masks filled after the launch, from the previous step's
+    tokens emitted meanwhile (the CPU and GPU runners), or, for a runner that cannot wait
+    for them (tensor parallel), in the step after the step in flight is resolved."""
     requests = constrained_batch(smollm2_tokenizer) + [
         ("free", smollm2_tokenizer.encode("Hello"), SamplingParams(max_tokens=12))]
     sync = run(make_engine(smollm2_loaded, smollm2_tokenizer), requests)
-    asynchronous = run(make_engine(smollm2_loaded, smollm2_tokenizer, async_scheduling=True), requests)
+    engine = make_engine(smollm2_loaded, smollm2_tokenizer, async_scheduling=True)
+    assert engine._defer_masks
+    engine._defer_masks = deferred
+    asynchronous = run(engine, requests)
     assert asynchronous == sync
     assert all(reason is FinishReason.STOP for _, reason, _ in (sync[f"r{i}"] for i in range(6)))
 

@@ -77,19 +77,21 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     logits.index_copy_(0, rows, selected)
 
 
-def apply_step_bitmask(logits: torch.Tensor, step, request_ids: list[str], upload=None) -> None:
-    """Apply a step description's guided masks to `logits`, whose rows are `request_ids`
-    (the runner's sampling order). `upload`: host array -> device tensor (the GPU runner's
-    pinned staging); by default a plain copy to the logits' device."""
-    if not step.guided_request_ids:
+def apply_step_bitmask(logits: torch.Tensor, masked_ids: list[str], bitmask, request_ids: list[str],
+                       upload=None) -> None:
+    """Apply the masks of `masked_ids` (rows of `bitmask`, [k, words] int32 NumPy) to
+    `logits`, whose rows are `request_ids` (the runner's sampling order). `upload`: host
+    array -> device tensor (the GPU runner's pinned staging); by default a plain copy to
+    the logits' device."""
+    if not masked_ids:
         return
     index = {request_id: row for row, request_id in enumerate(request_ids)}
-    pairs = [(k, index[rid]) for k, rid in enumerate(step.guided_request_ids) if rid in index]
+    pairs = [(k, index[rid]) for k, rid in enumerate(masked_ids) if rid in index]
     if not pairs:
         return
     mask_rows = np.fromiter((k for k, _ in pairs), np.int64, len(pairs))
     logit_rows = np.fromiter((row for _, row in pairs), np.int64, len(pairs))
-    bitmask = np.ascontiguousarray(np.asarray(step.guided_bitmask, np.int32)[mask_rows])
+    bitmask = np.ascontiguousarray(np.asarray(bitmask, np.int32)[mask_rows])
     if upload is None:
         def upload(array):
             return torch.from_numpy(array).to(logits.device, non_blocking=True)
