@@ -350,6 +350,7 @@ class Engine:
             request.guided = GuidedState(future.result(), self.vocab_size)
             self.scheduler.add_request(request)
         self._compiling = still
+
     def count_rejected(self) -> None:
         """A request refused before `add_request` (the serving loop saw the queue full)."""
         self._counters.rejected += 1
@@ -572,9 +573,9 @@ class Engine:
         guided = request.guided
         if not guided.accept(token):
             return FinishReason.ERROR
-        if guided.is_terminated:
-            if token in request.stop_token_ids or token in request.eos_token_ids:
-                self._drop_last(request, 1)  # the stop token is not part of the output
+        if guided.is_terminated:  # it took a stop token (EOS)
+            if token in request.stop_token_ids:
+                self._drop_last(request, 1)  # not part of the output, as `_check_stop` has it
             return FinishReason.STOP
         if guided.allows_only(request.eos_token_ids):
             self._check_stop(request)  # drops a stop sequence that ends here; the grammar is done: STOP

@@ -99,3 +99,32 @@ def test_engine_inputs_without_the_guided_pair_are_unconstrained(smollm2_tokeniz
     request = build(smollm2_tokenizer)
     del request["guided_type"], request["guided_guide"]
     assert engine_spec(request) is None
+
+
+def test_chat_form_carries_the_constraint(smollm2_tokenizer):
+    messages = text(json.dumps([{"role": "user", "content": "Pick one"}]))
+    inputs = {"messages": messages, "max_tokens": np.array([[8]], np.int32),
+              "sampling_parameters": text(json.dumps({"guided_choice": ["red", "blue"]}))}
+    request = build_engine_request(inputs, smollm2_tokenizer, LIMITS)
+    assert engine_spec(request) == GuidedSpec("choice", '["red", "blue"]')
+
+
+def test_tools_reach_a_chat_template_without_a_tool_format(smollm2_tokenizer):
+    """SmolLM2's template renders no tools: they come in a system message, and an earlier
+    assistant turn of tool calls becomes its JSON text."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
+    inputs = {"messages": text(json.dumps(messages)), "tools": text(json.dumps(tools)),
+              "max_tokens": np.array([[8]], np.int32)}
+    prompt = smollm2_tokenizer.decode(build_engine_request(inputs, smollm2_tokenizer, LIMITS)["input_ids"][0])
+    assert prompt.startswith("<|im_start|>system\nYou can call these functions")
+    assert '"name": "get_time"' in prompt
+    assert '<|im_start|>assistant\n{"name": "get_time", "arguments": {}}<|im_end|>' in prompt
+    assert "<|im_start|>tool\n12:00<|im_end|>" in prompt
+    with pytest.raises(RequestError, match="^input 'tools': allowed only with 'messages'"):
+        build(smollm2_tokenizer, tools=text(json.dumps(tools)))

@@ -363,13 +363,13 @@ def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[lis
             '(a JSON list of {"role", "content"} objects)'
         )
     if text_array is not None:
+        if inputs.get("tools") is not None:
+            raise RequestError("input 'tools': allowed only with 'messages' (the chat template renders the tools)")
         text = _decode_bytes("input 'text_input'", _scalar("text_input", text_array))
         # As `generate` is usually fed (`tokenizer(text)`): the tokenizer's own special
         # tokens (a BOS for Llama-style tokenizers; none for SmolLM2) are added.
         return list(tokenizer.encode(text, add_special_tokens=True)), "text_input"
 
-    if inputs.get("tools") is not None and text_array is not None:
-        raise RequestError("input 'tools': allowed only with 'messages' (the chat template renders the tools)")
     label = "input 'messages'"
     raw = _decode_bytes(label, _scalar("messages", messages_array))
     try:
@@ -435,6 +435,16 @@ def _tools(inputs: Mapping[str, np.ndarray | None]) -> list[dict] | None:
     return tools or None
 
 
+def _json_or_text(value):
+    """OpenAI sends a call's arguments as JSON text: shown as the JSON value it holds."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     """The chat template applied with the generation prompt. Tools go to the template's own
     tool format when it has one (`tools` in the template); otherwise they are described in
@@ -444,7 +454,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> st
         messages = [dict(message) for message in messages]
         for message in messages:
             if message.get("tool_calls"):
-                calls = [{"name": call["function"]["name"], "arguments": call["function"].get("arguments")}
+                calls = [{"name": call["function"]["name"], "arguments": _json_or_text(call["function"].get("arguments"))}
                          for call in message["tool_calls"]]
                 message["content"] = (message.get("content") or "") + json.dumps(
                     calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
