@@ -22,6 +22,14 @@ import numpy as np
 
 from inflightllm import request_rules as rules
 from inflightllm import token_sequences as packing
+from inflightllm.guided.spec import (
+    KIND_CODES,
+    GuidedSpec,
+    GuidedSpecError,
+    check_spec,
+    choice_spec,
+    json_schema_spec,
+)
 
 # sampling_parameters keys, in the order docs/INTERFACE.md lists them.
 SAMPLING_PARAMETER_KEYS = (
@@ -549,14 +557,6 @@ def _guided_spec(inputs: Mapping[str, np.ndarray | None], params: dict):
     `guided_decoding_guide` inputs; at most one. Checked here (the schema against the
     JSON Schema meta-schema and the supported keywords, the regex or grammar parsed), so
     a bad one is refused naming its input before it reaches the engine."""
-    from inflightllm.guided.spec import (
-        GuidedSpec,
-        GuidedSpecError,
-        check_spec,
-        choice_spec,
-        json_schema_spec,
-    )
-
     backend = params.get("guided_decoding_backend")
     if backend is not None and backend.split(":", 1)[0] not in GUIDED_BACKENDS:
         raise RequestError(
@@ -625,9 +625,8 @@ def _guided_spec(inputs: Mapping[str, np.ndarray | None], params: dict):
     return spec
 
 
-def _guided_tensors(spec) -> tuple[int, np.ndarray]:
-    from inflightllm.guided.spec import KIND_CODES
-
+def _guided_tensors(spec: GuidedSpec | None) -> tuple[int, np.ndarray]:
+    """(guided_type, guided_guide [1, n] uint8) of a constraint, or of none."""
     if spec is None:
         return 0, np.zeros((1, 1), dtype=np.uint8)
     data = np.frombuffer(spec.text.encode("utf-8") or b"\0", dtype=np.uint8)
