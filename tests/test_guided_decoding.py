@@ -232,14 +232,23 @@ def test_preemption_keeps_the_grammar_state(smollm2_loaded, smollm2_tokenizer):
     assert preempted == plenty
 
 
+def async_requests(tokenizer):
+    return constrained_batch(tokenizer, max_tokens=40) + [
+        ("free", tokenizer.encode("Hello"), SamplingParams(max_tokens=12))]
+
+
+@pytest.fixture(scope="module")
+def sync_results(smollm2_loaded, smollm2_tokenizer):
+    return run(make_engine(smollm2_loaded, smollm2_tokenizer), async_requests(smollm2_tokenizer))
+
+
 @pytest.mark.parametrize("deferred", [True, False], ids=["masks-after-launch", "masks-in-step"])
-def test_async_scheduling_gives_the_same_outputs(smollm2_loaded, smollm2_tokenizer, deferred):
+def test_async_scheduling_gives_the_same_outputs(smollm2_loaded, smollm2_tokenizer, sync_results, deferred):
     """Asynchronous scheduling: masks filled after the launch, from the previous step's
     tokens emitted meanwhile (the CPU and GPU runners), or, for a runner that cannot wait
     for them (tensor parallel), in the step after the step in flight is resolved."""
-    requests = constrained_batch(smollm2_tokenizer) + [
-        ("free", smollm2_tokenizer.encode("Hello"), SamplingParams(max_tokens=12))]
-    sync = run(make_engine(smollm2_loaded, smollm2_tokenizer), requests)
+    requests = async_requests(smollm2_tokenizer)
+    sync = sync_results
     engine = make_engine(smollm2_loaded, smollm2_tokenizer, async_scheduling=True)
     assert engine._defer_masks
     engine._defer_masks = deferred

@@ -128,3 +128,36 @@ def test_tools_reach_a_chat_template_without_a_tool_format(smollm2_tokenizer):
     assert "<|im_start|>tool\n12:00<|im_end|>" in prompt
     with pytest.raises(RequestError, match="^input 'tools': allowed only with 'messages'"):
         build(smollm2_tokenizer, tools=text(json.dumps(tools)))
+
+
+def test_tool_call_parsing():
+    """What `parse_tool_calls` finds in a finished output, per tool_choice mode."""
+    from inflightllm.guided.tools import ToolPlan, parse_tool_calls
+
+    names = ["get_time", "get_weather"]
+    auto, required = ToolPlan("auto"), ToolPlan("required")
+    call = {"name": "get_time", "arguments": {"zone": "UTC"}}
+    assert parse_tool_calls(json.dumps(call), auto, names) == [call]
+    assert parse_tool_calls(json.dumps([call, call]), required, names) == [call, call]
+    hermes = f"Sure.<tool_call>{json.dumps(call)}</tool_call>\n<tool_call>{json.dumps(call)}</tool_call>"
+    assert parse_tool_calls(hermes, auto, names) == [call, call]
+    assert parse_tool_calls("It is noon.", auto, names) is None
+    assert parse_tool_calls(json.dumps({"name": "launch", "arguments": {}}), auto, names) is None  # no such tool
+    assert parse_tool_calls(json.dumps({"zone": "UTC"}), ToolPlan("named", name="get_time"), names) == [call]
+    assert parse_tool_calls(json.dumps(call), ToolPlan("none"), names) is None
+
+
+def test_tool_plans():
+    from inflightllm.guided.tools import plan_tools
+
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "b"}}]
+    assert plan_tools(tools, None).mode == "auto" and plan_tools(tools, "none").spec is None
+    assert plan_tools(None, "required").mode == "none"
+    single = json.loads(plan_tools(tools, "required", parallel_tool_calls=False).spec.text)
+    assert single["anyOf"][0]["properties"]["name"] == {"const": "a"}
+    assert single["anyOf"][1]["properties"]["arguments"] == {"type": "object", "properties": {}}
+    parallel = json.loads(plan_tools(tools, "required").spec.text)
+    assert parallel["type"] == "array" and parallel["minItems"] == 1
+    named = plan_tools(tools, {"type": "function", "function": {"name": "a"}})
+    assert named.mode == "named" and named.name == "a" and json.loads(named.spec.text)["properties"] == {"x": {"type": "integer"}}
