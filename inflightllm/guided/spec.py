@@ -135,9 +135,13 @@ def check_spec(spec: GuidedSpec) -> None:
     """Raise GuidedSpecError naming the field when `spec` cannot be compiled: not valid
     JSON, not a valid JSON Schema (`jsonschema`'s meta-schema check), an unsupported
     keyword, a regex or grammar xgrammar does not parse. Needs no tokenizer."""
-    import xgrammar as xgr
-
     field = spec.field
+    try:
+        import jsonschema  # noqa: F401 - the meta-schema check below
+        import xgrammar as xgr
+    except ImportError as error:  # a host without them (the air-gapped bundle has none yet)
+        raise GuidedSpecError(f"{field}: structured output needs the {error.name} package, which is not "
+                              "installed on this server") from None
     if spec.kind not in KINDS:
         raise GuidedSpecError(f"guided_decoding: kind {spec.kind!r} is not one of {', '.join(KINDS)}")
     try:
