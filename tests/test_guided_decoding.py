@@ -277,3 +277,36 @@ def test_bitmask_application_matches_xgrammar():
     apply_token_bitmask(ours, bitmask, rows)
     assert torch.equal(ours, expected)
     assert torch.equal(ours[[0, 2, 4]], logits[[0, 2, 4]])
+
+
+def test_tensor_parallel_gets_the_masks_in_its_step(smollm2_tokenizer):
+    """TP=2 on the CPU (rank 1 a worker process): every rank applies the masks sent in the
+    step message; outputs equal TP=1 and follow their constraints. Random tiny weights with
+    SmolLM2's vocabulary (the bounded constraints end whatever the model prefers)."""
+    from inflightllm.model_source import ModelSpec
+
+    spec = ModelSpec(source="random", shape="tiny-llama3", seed=0, dtype="float32")
+    cases = [GuidedSpec("regex", REGEXES[0]), GuidedSpec("regex", REGEXES[4]), json_schema_spec(SCHEMAS[12]),
+             GuidedSpec("grammar", GRAMMARS[3][0])]
+    requests = [(f"t{index}", [100 + index, 200, 300], SamplingParams(max_tokens=40, guided=guided))
+                for index, guided in enumerate(cases)]
+    requests.append(("free", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)))
+    results = []
+    for size in (1, 2):
+        config = EngineConfig(max_batch_size=8, max_num_tokens=64, num_kv_blocks=64, tensor_parallel_size=size,
+                              async_scheduling=True)
+        engine = Engine(spec, config, sampler_seed=0)
+        try:
+            engine.grammar_compiler(tokenizer=smollm2_tokenizer)
+            assert engine._defer_masks is (size == 1)
+            results.append(run(engine, requests))
+        finally:
+            shutdown = getattr(engine.runner, "shutdown", None)
+            if shutdown:
+                shutdown()
+    assert results[0] == results[1]
+    text = {rid: smollm2_tokenizer.decode(tokens) for rid, (tokens, _, _) in results[1].items()}
+    assert re.fullmatch(REGEXES[0], text["t0"]) and re.fullmatch(REGEXES[4], text["t1"])
+    jsonschema.validate(json.loads(text["t2"]), SCHEMAS[12])
+    assert re.fullmatch(GRAMMARS[3][1], text["t3"])
+    assert all(reason is FinishReason.STOP for rid, (_, reason, _) in results[1].items() if rid != "free")
