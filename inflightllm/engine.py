@@ -11,12 +11,17 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
+from inflightllm.guided.spec import GuidedSpecError, check_spec
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
 from inflightllm.models.loader import LoadedModel, load_model
@@ -209,6 +214,15 @@ class Engine:
         self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "steps": 0}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
+        # Structured output: the grammar compiler (made with the first constrained request)
+        # and the requests waiting for their grammar, queued outside the scheduler.
+        self._grammars = None
+        self._compiling: list[Request] = []
+        # Asynchronous scheduling with a runner that samples after `launch` when told to
+        # (`sample_guided`): constrained rows' masks are filled while the step runs, from
+        # the tokens of the step before it (emitted meanwhile). Other runners (tensor
+        # parallel) get the masks in the step, which then waits for the step in flight.
+        self._defer_masks = self.async_scheduling and bool(getattr(self.runner, "defers_guided_sampling", False))
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -228,6 +242,14 @@ class Engine:
                 f"input_ids: token id {bad} is out of range; allowed: 0 to {self.vocab_size - 1}"
             )
         params.validate(self.vocab_size, self.config.max_output_len)
+        if params.guided is not None:
+            if self.config.runner == "dummy":
+                raise InvalidRequestError(
+                    f"{params.guided.field}: the dummy runner has no model to constrain; allowed: no constraint")
+            try:
+                check_spec(params.guided)  # parsing only (no tokenizer): cheap, any thread
+            except GuidedSpecError as error:
+                raise InvalidRequestError(str(error)) from None
         priorities = rules.priority_range(self.config.priority_levels)
         if not priorities.contains(priority):
             raise InvalidRequestError(f"priority: {priority} is out of range; allowed: {priorities.allowed}")
@@ -262,10 +284,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params, priority)
         limit = self.config.max_queue_size
-        if limit and len(self.scheduler.waiting) >= limit:
+        if limit and self.num_waiting >= limit:
             self._counters.rejected += 1
             raise QueueFullError(
-                f"the engine's queue is full: {len(self.scheduler.waiting)} requests are waiting "
+                f"the engine's queue is full: {self.num_waiting} requests are waiting "
                 f"(max_queue_size {limit}); try again later"
             )
         request = Request(
@@ -284,9 +306,50 @@ class Engine:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (request.deadline, self._deadline_seq, request))
         self.requests[request_id] = request
-        self.scheduler.add_request(request)
+        if params.guided is not None:  # queued here until its grammar is compiled
+            request.grammar_future = self.grammar_compiler().submit(params.guided)
+            self._compiling.append(request)
+        else:
+            self.scheduler.add_request(request)
         self._counters.prompt_tokens += len(prompt_token_ids)
         return request
+
+    def grammar_compiler(self, tokenizer=None):
+        """The compiler of guided-decoding grammars (its worker thread starts on first use;
+        it loads the model's tokenizer there unless given one, e.g. a test's own)."""
+        if self._grammars is None:
+            from inflightllm.guided.compiler import GrammarCompilerPool
+
+            self._grammars = GrammarCompilerPool(
+                getattr(self.loaded, "folder", None), self.vocab_size, self.loaded.eos_token_ids,
+                tokenizer=tokenizer,
+            )
+        return self._grammars
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Constrained requests whose grammar is ready join the scheduler's queue; a compile
+        error fails its request alone. When nothing else could run, waits briefly for a
+        compile rather than spinning."""
+        if not self.scheduler.has_unfinished() and self._inflight is None and not outputs:
+            wait_futures([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still: list[Request] = []
+        for request in self._compiling:
+            future = request.grammar_future
+            if not future.done():
+                still.append(request)
+                continue
+            request.grammar_future = None
+            error = future.exception()
+            if error is not None:
+                message = str(error) if isinstance(error, GuidedSpecError) else (
+                    f"{request.params.guided.field}: the grammar did not compile: {type(error).__name__}: {error}")
+                self._fail(request, message, outputs)
+                continue
+            from inflightllm.guided.matcher import GuidedState
+
+            request.guided = GuidedState(future.result(), self.vocab_size)
+            self.scheduler.add_request(request)
+        self._compiling = still
 
     def count_rejected(self) -> None:
         """A request refused before `add_request` (the serving loop saw the queue full)."""
@@ -294,7 +357,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def _expire_waiting(self, outputs: list[RequestOutput], now: float) -> None:
         """Fail requests that waited in the queue past their deadline (never started)."""
@@ -331,7 +394,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._counters.pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._counters.pending) or self._inflight is not None
+                or bool(self._compiling))
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -341,6 +405,8 @@ class Engine:
         outputs, self._counters.pending = self._counters.pending, []
         if self._deadlines:
             self._expire_waiting(outputs, time.monotonic())
+        if self._compiling:
+            self._admit_compiled(outputs)
         if not self.async_scheduling:
             scheduled = self.scheduler.schedule()
             self._counters.tokens_last_step = scheduled.num_batched_tokens
@@ -367,12 +433,15 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
+        deferred: list[Request] = []  # constrained rows whose masks come after the launch
         if not (scheduled.is_empty and not scheduled.swapped_out):
             try:
                 description = self._describe(scheduled)
                 described = time.perf_counter()
                 times["schedule"] += described - start
                 handle = self.runner.launch(description)
+                deferred = [self.requests[request_id] for request_id in description.guided_request_ids
+                            ] if description.guided_bitmask is None else []
                 start = time.perf_counter()
                 times["launch"] += start - described
                 times["steps"] += 1
@@ -392,6 +461,8 @@ class Engine:
                 launched = (handle, [item.request for item in scheduled.scheduled])
         if self._inflight is not None:
             self._resolve(outputs)
+        if launched is not None and deferred:
+            self._sample_guided(launched[0], deferred, outputs)
         self._inflight = launched
         return outputs
 
@@ -407,7 +478,9 @@ class Engine:
                 self._fail(item.request, message, outputs)
 
     def _needs_history(self) -> bool:
-        return any(request.needs_history for request in self.scheduler.running)
+        if self._defer_masks:
+            return any(request.needs_history for request in self.scheduler.running)
+        return any(request.needs_history or request.guided is not None for request in self.scheduler.running)
 
     def _resolve(self, outputs: list[RequestOutput]) -> None:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
@@ -468,7 +541,16 @@ class Engine:
             request.last_token_time = now
             generated += 1
             try:
-                reason = check_stop(request)
+                if request.guided is not None:
+                    reason = self._advance_grammar(request, token_ids[row])
+                    if reason is FinishReason.ERROR:
+                        self._fail(request, f"{request.params.guided.field}: the sampled token "
+                                            f"{token_ids[row]} is not allowed by the grammar", outputs)
+                        continue
+                    if reason is none:
+                        reason = check_stop(request)
+                else:
+                    reason = check_stop(request)
                 if reason is not none:
                     self._finish(request, reason)
                 elif not request.streaming:
@@ -482,6 +564,55 @@ class Engine:
             if output is not None:
                 outputs.append(output)
         self._counters.generation_tokens += generated
+
+    def _advance_grammar(self, request: Request, token: int) -> FinishReason:
+        """Move a constrained request's grammar over its new token. ERROR: the grammar
+        refused it; STOP: the grammar is done (a stop token ended it, or nothing but a
+        stop token may follow: the request ends now, so `min_tokens`, which bans stop
+        tokens, never leaves a row with no token to sample); NONE: it goes on."""
+        guided = request.guided
+        if not guided.accept(token):
+            return FinishReason.ERROR
+        if guided.is_terminated:  # it took a stop token (EOS)
+            if token in request.stop_token_ids:
+                self._drop_last(request, 1)  # not part of the output, as `_check_stop` has it
+            return FinishReason.STOP
+        if guided.allows_only(request.eos_token_ids):
+            self._check_stop(request)  # drops a stop sequence that ends here; the grammar is done: STOP
+            return FinishReason.STOP
+        return FinishReason.NONE
+
+    def _guided_masks(self, step: StepDescription, scheduled: SchedulerOutput) -> None:
+        """The allowed next tokens of the constrained requests that sample this step, one
+        row each, filled on the host from their matchers."""
+        rows = [item.request for item in scheduled.scheduled if item.request.guided is not None and item.samples]
+        if rows:
+            step.guided_request_ids = [request.request_id for request in rows]
+            if not self._defer_masks:  # else filled after launch (`_sample_guided`)
+                step.guided_bitmask = self._bitmask(rows)
+
+    def _bitmask(self, requests: list[Request]) -> np.ndarray:
+        """[len(requests), words] int32: each request's allowed next tokens; all allowed for
+        one that ended meanwhile (its token is dropped)."""
+        masks = []
+        for request in requests:
+            guided = request.guided
+            if request.is_finished or guided.is_terminated:
+                masks.append(np.full(guided.num_words, -1, np.int32))
+            else:
+                masks.append(guided.next_mask())
+        return np.stack(masks)
+
+    def _sample_guided(self, handle, requests: list[Request], outputs: list[RequestOutput]) -> None:
+        """The launched step's constrained rows get their masks (their matchers have just
+        taken the previous step's tokens) and the runner samples the step."""
+        try:
+            handle.sample_guided(self._bitmask(requests))
+        except Exception as error:  # its requests fail alone, as a failed step's do
+            logger.exception("guided sampling failed; failing the %d constrained requests", len(requests))
+            for request in requests:
+                if not request.is_finished:
+                    self._fail(request, f"engine step failed: {type(error).__name__}: {error}", outputs)
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others
@@ -521,6 +652,8 @@ class Engine:
                 if sent != len(table):
                     runner_blocks[request_id] = len(table)
             packed.append((request_id, item.num_new_tokens))
+        if self._grammars is not None:
+            self._guided_masks(step, scheduled)
         return step
 
     def _drop_last(self, request: Request, count: int) -> None:
@@ -572,6 +705,9 @@ class Engine:
         return longest
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.grammar_future is not None:  # cancelled or timed out while its grammar compiled
+            request.grammar_future = None
+            self._compiling.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.monotonic()

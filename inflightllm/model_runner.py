@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from inflightllm.attention import AttentionBackend, SequenceSlice, make_attention_backend
+from inflightllm.guided.matcher import apply_step_bitmask
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
 from inflightllm.sampler import Sampler
@@ -91,11 +92,30 @@ class ModelRunner:
         self.states = RequestStates()
         self.sampler = Sampler(sampler_seed)
 
-    def launch(self, step: StepDescription) -> CompletedStep:
-        """Asynchronous scheduling's entry: on the CPU the step runs at once."""
+    # The engine may send a step whose constrained rows' masks come after `launch`
+    # (`sample_guided`), filled while the step runs (asynchronous scheduling).
+    defers_guided_sampling = True
+
+    def launch(self, step: StepDescription) -> CompletedStep | DeferredSamplingStep:
+        """Asynchronous scheduling's entry: on the CPU the step runs at once. A step whose
+        guided masks are not in it yet (`guided_bitmask` None) runs its model now and
+        samples when `sample_guided` brings them."""
+        if step.guided_request_ids and step.guided_bitmask is None:
+            prepared = self._run_model(step)
+            if prepared is None:
+                return CompletedStep(SampledTokens())
+            return DeferredSamplingStep(lambda bitmask: self._sample(step, *prepared, bitmask))
         return CompletedStep(self.execute(step))
 
     def execute(self, step: StepDescription) -> SampledTokens:
+        prepared = self._run_model(step)
+        if prepared is None:
+            return SampledTokens()
+        return self._sample(step, *prepared, step.guided_bitmask)
+
+    def _run_model(self, step: StepDescription) -> tuple[list[Request], torch.Tensor] | None:
+        """Apply the step's state changes and run the model: (the requests that sample,
+        their logits [num_sampling, vocab] float32), or None when none samples."""
         # Swaps first: a swapped-out request's blocks may be handed to another request in
         # this very step, and this step's forward writes into them.
         for request_id, block_ids in step.swap_out:
@@ -108,7 +128,7 @@ class ModelRunner:
                 self.attention.discard_swapped(handle)
         self.states.update(step)
         if not step.scheduled:
-            return SampledTokens()
+            return None
         sequences: list[SequenceSlice] = []
         token_chunks: list[list[int]] = []
         last_positions: list[int] = []
@@ -129,11 +149,16 @@ class ModelRunner:
         input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.int64, device=self.device)
         metadata = self.attention.build_metadata(sequences, self.device)
         hidden = self.model(input_ids, self.attention, metadata)  # [num_tokens, hidden]
-        result = SampledTokens()
         if not sampling:
-            return result
+            return None
         selected = hidden[torch.tensor(last_positions, dtype=torch.int64, device=self.device)]
-        logits = self.model.compute_logits(selected)  # [num_sampling, vocab] float32
+        return sampling, self.model.compute_logits(selected)  # [num_sampling, vocab] float32
+
+    def _sample(self, step: StepDescription, sampling: list[Request], logits: torch.Tensor,
+                bitmask) -> SampledTokens:
+        result = SampledTokens()
+        if step.guided_request_ids:  # structured output: the constrained rows' masks, one call
+            apply_step_bitmask(logits, step.guided_request_ids, bitmask, [state.request_id for state in sampling])
         sampled = self.sampler(logits, sampling)
         for row, state in enumerate(sampling):
             if sampled.errors[row] is not None:  # this request fails alone; the others go on
@@ -155,7 +180,27 @@ class CompletedStep:
     def __init__(self, result: SampledTokens):
         self._result = result
 
+    def sample_guided(self, bitmask) -> None:
+        """Nothing waits for masks here (see DeferredSamplingStep)."""
+
     def result(self) -> SampledTokens:
+        return self._result
+
+
+class DeferredSamplingStep:
+    """A launched step whose model has run and whose sampling waits for the constrained
+    rows' masks (`sample_guided`, [len(step.guided_request_ids), words] int32)."""
+
+    def __init__(self, sample):
+        self._sample = sample
+        self._result: SampledTokens | None = None
+
+    def sample_guided(self, bitmask) -> None:
+        self._result = self._sample(bitmask)
+
+    def result(self) -> SampledTokens:
+        if self._result is None:
+            raise RuntimeError("the step's guided masks never came (sample_guided was not called)")
         return self._result
 
 

@@ -80,6 +80,10 @@ class Request:
     # Asynchronous scheduling: tokens being sampled on the device, not yet in token_ids.
     num_inflight: int = 0
     final_pending: bool = False  # the token in flight ends it by length: schedule nothing more
+    # Structured output (params.guided): its compile in flight, then its grammar state
+    # (inflightllm.guided.GuidedState), advanced by the engine with each appended token.
+    grammar_future: object | None = None
+    guided: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

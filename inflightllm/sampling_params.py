@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflightllm import request_rules as rules
+from inflightllm.guided.spec import GuidedSpec
 from inflightllm.request_rules import MAX_TOP_LOGPROBS
 
 __all__ = ["MAX_TOP_LOGPROBS", "GREEDY_TEMPERATURE_THRESHOLD", "InvalidRequestError", "SamplingParams"]
@@ -43,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output: the grammar every generated token must follow (inflightllm.guided).
+    guided: GuidedSpec | None = None
 
     @property
     def greedy(self) -> bool:

@@ -55,6 +55,11 @@ class StepDescription:
     # (request id, fresh device block ids) that get a swapped-out request's K/V back.
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Structured output: the constrained requests that sample this step and their allowed
+    # next tokens, one row each ([len(guided_request_ids), ceil(vocab / 32)] int32 NumPy,
+    # bit set = allowed). The runner applies them to those rows' logits in one call.
+    guided_request_ids: list[str] = field(default_factory=list)
+    guided_bitmask: object | None = None
 
     @property
     def num_tokens(self) -> int:

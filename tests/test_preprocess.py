@@ -70,7 +70,7 @@ def values(request: dict[str, np.ndarray]) -> dict:
         assert array.dtype == ENGINE_REQUEST_DTYPES[name], name
         assert array.shape[0] == 1, name
         flat = array.reshape(-1).tolist()
-        out[name] = flat[0] if array.shape == (1, 1) and name not in ("input_ids", "stop_words", "bad_words") else flat
+        out[name] = flat[0] if array.shape == (1, 1) and name not in ("input_ids", "stop_words", "bad_words", "guided_guide") else flat
     return out
 
 
@@ -110,6 +110,8 @@ def test_defaults_fill_every_engine_input(smollm2_tokenizer):
         "priority": 0,
         "exclude_input_in_output": False,
         "timeout_ms": 0,
+        "guided_type": 0,
+        "guided_guide": [0],
     }
 
 

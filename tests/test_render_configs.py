@@ -26,7 +26,7 @@ SCRIPT = REPO_ROOT / "tools" / "render_configs.py"
 MODELS = ("ensemble", "preprocessing", "engine", "postprocessing")
 PROFILES = sorted((REPO_ROOT / "profiles").glob("*.yaml"))
 # docs/INTERFACE.md writes BYTES; Triton's config calls it TYPE_STRING.
-DOC_TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
+DOC_TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64", "UINT8": "TYPE_UINT8",
              "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
 
 
@@ -274,8 +274,8 @@ def test_tensors_follow_the_interface_document(configs):
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
     assert [row[0] for row in ensemble_inputs if not row[3]] == []  # preprocessing names what is missing
-    assert len(ensemble_inputs) == 34 and len(ensemble_outputs) == 12
-    assert len(to_engine) == 22 and len(to_postprocessing) == 3 and len(engine_outputs) == 11
+    assert len(ensemble_inputs) == 37 and len(ensemble_outputs) == 12
+    assert len(to_engine) == 24 and len(to_postprocessing) == 3 and len(engine_outputs) == 11
     assert to_postprocessing[0] == engine_outputs[0]  # request_handle: in both sets
 
     assert tensors(configs["ensemble"].input) == ensemble_inputs
@@ -353,7 +353,8 @@ def test_every_shipped_profile_renders_valid_configs(tmp_path, profile_path):
 def test_preprocessing_code_emits_exactly_the_rendered_engine_inputs():
     from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
 
-    numpy_to_triton = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "bool": "TYPE_BOOL"}
+    numpy_to_triton = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "bool": "TYPE_BOOL",
+                       "uint8": "TYPE_UINT8"}
     emitted = {name: numpy_to_triton[np.dtype(dtype).name] for name, dtype in ENGINE_REQUEST_DTYPES.items()}
     assert emitted == {t.name: t.data_type for t in render_configs.PREPROCESSING_TO_ENGINE}
 

@@ -124,6 +124,11 @@ ENSEMBLE_INPUTS = (
     # vLLM's.
     _t("return_cumulative_logprob", "TYPE_BOOL", optional=True),
     _t("return_logprobs", "TYPE_BOOL", optional=True),
+    # TensorRT-LLM's structured output (docs/STRUCTURED-OUTPUT.md).
+    _t("guided_decoding_guide_type", "TYPE_STRING", optional=True),
+    _t("guided_decoding_guide", "TYPE_STRING", optional=True),
+    # OpenAI-style tools for the chat template (the OpenAI front end sends them).
+    _t("tools", "TYPE_STRING", optional=True),
 )
 
 # docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them.
@@ -166,6 +171,8 @@ PREPROCESSING_TO_ENGINE = (
     _t("priority", "TYPE_INT32"),
     _t("exclude_input_in_output", "TYPE_BOOL"),
     _t("timeout_ms", "TYPE_INT32"),
+    _t("guided_type", "TYPE_INT32"),
+    _t("guided_guide", "TYPE_UINT8", (-1,)),
 )
 
 # The engine's inputs: preprocessing's outputs, plus the control input `cancel_request`.

@@ -28,6 +28,7 @@ from inflightllm.config import EngineConfig
 from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
 from inflightllm.gpu.staging import PinnedStaging
+from inflightllm.guided.matcher import apply_step_bitmask
 from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
@@ -56,6 +57,10 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 class GpuModelRunner:
     """Owns the model, the CUDA KV cache and the step buffers of one GPU."""
+
+    # A step whose constrained rows' masks are not in it yet samples on `sample_guided`
+    # (the engine fills them while the forward runs: asynchronous scheduling).
+    defers_guided_sampling = True
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int | None, sampler_seed: int | None):
         from inflightllm.attention.cuda.backend import CudaPagedAttention
@@ -408,7 +413,21 @@ class GpuModelRunner:
         if len(sample_rows) == 0:
             return LaunchedStep(self, [], None, None)
         request_ids = [ids[i] for i in order[samples]]
+        if step.guided_request_ids and step.guided_bitmask is None:
+            # The engine fills the constrained rows' masks while the forward runs (from the
+            # previous step's tokens, which it is reading meanwhile), then samples.
+            return DeferredLaunchedStep(
+                lambda bitmask: self._sample_step(step, logits, sample_rows, request_ids, bitmask))
+        return self._sample_step(step, logits, sample_rows, request_ids, step.guided_bitmask)
+
+    @torch.inference_mode()
+    def _sample_step(self, step: StepDescription, logits: torch.Tensor, sample_rows: np.ndarray,
+                     request_ids: list[str], bitmask) -> LaunchedStep:
+        """Sample the launched step's rows (guided masks first) and queue the ids' copy home."""
         states = [self.states[request_id] for request_id in request_ids]
+        if step.guided_request_ids:  # structured output: the constrained rows' masks, applied
+            # to the logits (after any graph replay) in one batched call, no host sync
+            apply_step_bitmask(logits, step.guided_request_ids, bitmask, request_ids, self.staging.upload)
         positions = self.num_tokens[sample_rows]  # where each new token goes
         sampled = self.sampler.sample(logits, sample_rows, states, positions - self.prompt_lens[sample_rows])
         self.last_sampled.index_copy_(0, self.staging.upload(sample_rows), sampled.token_ids)
@@ -421,6 +440,23 @@ class GpuModelRunner:
         return LaunchedStep(self, list(zip(request_ids, sample_rows.tolist(), positions.tolist())), host, event, failed)
 
 
+class DeferredLaunchedStep:
+    """A step whose forward is queued and whose sampling waits for the constrained rows'
+    masks: `sample_guided(bitmask)` queues it, then `result()` as LaunchedStep's."""
+
+    def __init__(self, sample):
+        self._sample = sample
+        self._launched: LaunchedStep | None = None
+
+    def sample_guided(self, bitmask) -> None:
+        self._launched = self._sample(bitmask)
+
+    def result(self) -> SampledTokens:
+        if self._launched is None:
+            raise RuntimeError("the step's guided masks never came (sample_guided was not called)")
+        return self._launched.result()
+
+
 class LaunchedStep:
     """A step queued on the GPU; `result()` waits for its sampled tokens and records
     them in the runner's host state (unless the request left its row meanwhile)."""
@@ -431,6 +467,9 @@ class LaunchedStep:
         self.placed = placed  # (request id, row, position of the new token)
         self.host = host
         self.event = event
+
+    def sample_guided(self, bitmask) -> None:
+        """Its masks were in the step (or it has no constrained row): nothing to do."""
 
     def result(self) -> SampledTokens:
         result = SampledTokens(failed=dict(self.failed))

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from inflightllm.guided.tools import parse_tool_calls
 from inflightllm.openai_frontend import protocol
 from inflightllm.openai_frontend.protocol import (
     ChatCompletionRequest,
@@ -83,7 +84,8 @@ def _error_response(error: OpenAIError) -> JSONResponse:
 
 # Ensemble input names -> the OpenAI field they come from (others have the same name).
 _FIELD_OF_INPUT = {"text_input": "prompt", "stop_words": "stop", "num_top_logprobs": "top_logprobs",
-                   "return_log_probs": "logprobs", "sampling_parameters": "ignore_eos"}
+                   "return_log_probs": "logprobs", "sampling_parameters": "ignore_eos",
+                   "guided_json": "response_format", "guided_json_object": "response_format"}
 _NAMED_INPUT = re.compile(r"(?:input|sampling_parameters key) '(\w+)'")
 
 
@@ -403,14 +405,19 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
         check_model(body.model)
         protocol.check_common(body)
         messages = protocol.chat_messages(body)
+        structured = protocol.structured_output(body)
+        plan = structured.plan
+        tool_names = [tool["function"]["name"] for tool in structured.tools or []]
         max_tokens = body.max_completion_tokens or body.max_tokens or default_chat_max_tokens(messages)
         values = {
             "messages": json.dumps(messages, ensure_ascii=False),
             "max_tokens": max_tokens,
             "stream": True,  # also for stream=false: see ALWAYS_STREAM
             "exclude_input_in_output": True,
-            **protocol.sampling_inputs(body),
+            **protocol.sampling_inputs(body, structured.parameters),
         }
+        if structured.tools:
+            values["tools"] = json.dumps(structured.tools, ensure_ascii=False)
         if body.logprobs:
             values["return_log_probs"] = True
             values["num_top_logprobs"] = body.top_logprobs or 0
@@ -420,28 +427,84 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
         def logprobs_of(ids, log_probs, top_ids, top_values):
             return chat_logprobs(ids, log_probs, top_ids, top_values) if body.logprobs else None
 
+        def tool_calls_of(text: str, reason: str) -> list[dict] | None:
+            """OpenAI's tool_calls of a finished output (None: plain content)."""
+            if plan.mode == "none" or reason != "stop":
+                return None
+            calls = parse_tool_calls(text, plan, tool_names)
+            if calls is None:
+                return None
+            return [{"id": protocol.new_id("call"), "type": "function",
+                     "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+                    for call in calls]
+
         def respond(generation: _Generation) -> dict:
+            text = "".join(generation.text)
+            calls = tool_calls_of(text, generation.finish_reason)
+            message = {"role": "assistant", "content": text}
+            reason = protocol.finish_reason(generation.finish_reason)
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                reason = "tool_calls"
             return {
                 **base,
                 "object": "chat.completion",
                 "choices": [{
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(generation.text)},
+                    "message": message,
                     "logprobs": logprobs_of(generation.token_ids, generation.log_probs, generation.top_ids,
                                             generation.top_values),
-                    "finish_reason": protocol.finish_reason(generation.finish_reason),
+                    "finish_reason": reason,
                 }],
                 "usage": generation.usage(),
             }
 
         sent_role = [False]
+        held: list[str] = []  # auto / required: the output, held until it ends (call or content?)
+        named_id = protocol.new_id("call")
+
+        def delta_chunk(delta: dict, reason=None, logprobs=None) -> dict:
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+        def tool_chunks(piece: Piece) -> list[dict]:
+            """Tool calls streamed as OpenAI streams them: a named function's arguments as
+            they are generated; otherwise each call (id, name, arguments) once the output
+            has ended and parsed as calls, else the held text as content."""
+            result = []
+            if plan.mode == "named":
+                if piece.text:
+                    result.append(delta_chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece.text}}]}))
+                if piece.finish_reason:
+                    reason = "tool_calls" if piece.finish_reason == "stop" else protocol.finish_reason(piece.finish_reason)
+                    result.append(delta_chunk({}, reason))
+                return result
+            held.append(piece.text)
+            if not piece.finish_reason:
+                return result
+            text = "".join(held)
+            calls = tool_calls_of(text, piece.finish_reason)
+            if calls:
+                for index, call in enumerate(calls):
+                    result.append(delta_chunk({"tool_calls": [{"index": index, **call}]}))
+                result.append(delta_chunk({}, "tool_calls"))
+            else:
+                if text:
+                    result.append(delta_chunk({"content": text}))
+                result.append(delta_chunk({}, protocol.finish_reason(piece.finish_reason)))
+            return result
 
         def chunks(piece: Piece):
             result = []
             if not sent_role[0]:  # OpenAI's first chunk carries the role
                 sent_role[0] = True
-                result.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
+                if plan.mode == "named":
+                    result.append(delta_chunk({"role": "assistant", "content": None, "tool_calls": [{
+                        "index": 0, "id": named_id, "type": "function",
+                        "function": {"name": plan.name, "arguments": ""}}]}))
+                else:
+                    result.append(delta_chunk({"role": "assistant", "content": ""}))
+            if plan.mode != "none":
+                return result + tool_chunks(piece)
             if piece.text or piece.output_ids:
                 result.append({**base, "choices": [{
                     "index": 0, "delta": {"content": piece.text},

@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from inflightllm.guided.spec import GuidedSpecError, check_spec, json_schema_spec
+from inflightllm.guided.tools import ToolPlan, check_tools, plan_tools
 
 # OpenAI's default for /v1/completions when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -52,16 +56,65 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system" and is sent as "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn of tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (constrained decoding)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # the parameters schema is always enforced when a call is required
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # Integers travel as INT32 tensors: larger ones are refused here, not wrapped.
@@ -106,6 +159,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Structured output and tool calling (docs/STRUCTURED-OUTPUT.md).
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def check_common(request: _SamplingFields) -> None:
@@ -142,15 +200,80 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
         raise OpenAIError(
             400, "max_tokens and max_completion_tokens differ; give one of them", param="max_completion_tokens"
         )
-    return [
-        {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        for message in request.messages
-    ]
+    messages = []
+    for index, message in enumerate(request.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise OpenAIError(400, f"messages[{index}].content: required field is missing",
+                              param=f"messages[{index}].content")
+        item = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+        if message.tool_calls:
+            item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        messages.append(item)
+    return messages
 
 
-def sampling_inputs(request: _SamplingFields) -> dict:
+@dataclass
+class StructuredOutput:
+    """What response_format and tools add to a chat request: sampling_parameters keys
+    (the guided_* constraint), the `tools` input for the chat template, the tool plan."""
+
+    parameters: dict
+    tools: list[dict] | None
+    plan: ToolPlan
+
+
+def structured_output(request: ChatCompletionRequest) -> StructuredOutput:
+    """response_format and tools/tool_choice checked and turned into a constraint; raises
+    OpenAIError (400) naming the field: a bad schema, a tool whose parameters schema is bad
+    or uses a keyword guided decoding cannot enforce, a tool_choice naming no tool."""
+    parameters: dict = {}
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        parameters["guided_json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise OpenAIError(400, "response_format.json_schema.schema: required for type json_schema",
+                              param="response_format.json_schema.schema")
+        field = "response_format.json_schema.schema"
+        try:
+            spec = json_schema_spec(fmt.json_schema.schema_, field)
+            check_spec(spec)
+        except GuidedSpecError as error:
+            raise OpenAIError(400, f"{field}: {_detail(error)}", param=field) from None
+        parameters["guided_json"] = json.loads(spec.text)
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    if request.tool_choice is not None and request.tool_choice != "none" and not tools:
+        raise OpenAIError(400, "tool_choice: allowed only with tools", param="tool_choice")
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.model_dump()
+    try:
+        if tools:
+            check_tools(tools)
+        plan = plan_tools(tools, choice, request.parallel_tool_calls is not False)
+    except GuidedSpecError as error:
+        text = str(error)
+        param = text.split(":", 1)[0]
+        raise OpenAIError(400, text, param=param) from None
+    if plan.spec is not None:
+        if parameters:
+            raise OpenAIError(400, "response_format: not allowed with tool_choice required or a named function "
+                                   "(the tool call's schema constrains the output)", param="response_format")
+        parameters["guided_json"] = json.loads(plan.spec.text)
+    return StructuredOutput(parameters, tools if plan.mode != "none" else None, plan)
+
+
+def _detail(error: Exception) -> str:
+    text = str(error)
+    return text.split(": ", 1)[1] if ": " in text else text
+
+
+def sampling_inputs(request: _SamplingFields, parameters: dict | None = None) -> dict:
     """Ensemble inputs (name -> value) of the fields shared by both endpoints; fields not
-    given are left out, so the server's defaults apply (temperature: OpenAI's 1.0)."""
+    given are left out, so the server's defaults apply (temperature: OpenAI's 1.0).
+    `parameters`: more sampling_parameters keys (structured output)."""
     inputs: dict = {
         "temperature": OPENAI_DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
     }
@@ -163,8 +286,11 @@ def sampling_inputs(request: _SamplingFields) -> dict:
         inputs["top_k"] = 0  # vLLM's "off"
     if request.stop is not None:
         inputs["stop_words"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    parameters = dict(parameters or {})
     if request.ignore_eos is not None:
-        inputs["sampling_parameters"] = json.dumps({"ignore_eos": request.ignore_eos})
+        parameters["ignore_eos"] = request.ignore_eos
+    if parameters:
+        inputs["sampling_parameters"] = json.dumps(parameters, ensure_ascii=False)
     return inputs
 
 

@@ -42,6 +42,7 @@ INPUT_TYPES = {
     "return_log_probs": "BOOL",
     "num_top_logprobs": "INT32",
     "sampling_parameters": "BYTES",
+    "tools": "BYTES",
 }
 
 # Substrings of Triton's messages that mean "too busy, retry" (HTTP 503).

@@ -15,12 +15,15 @@ import torch
 
 from inflightllm import packed_outputs
 from inflightllm.engine import RequestOutput
+from inflightllm.guided.spec import KIND_BY_CODE, GuidedSpec
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
 from inflightllm.token_sequences import unpack_token_sequences
 
-# The generation inputs of the engine model: exactly what preprocessing emits.
+# The generation inputs of the engine model: exactly what preprocessing emits. The
+# structured-output pair is optional (a client of the engine model alone may leave it out).
 ENGINE_INPUTS = tuple(ENGINE_REQUEST_DTYPES)
+OPTIONAL_INPUTS = ("guided_type", "guided_guide")
 
 
 @dataclass
@@ -48,10 +51,36 @@ def _scalar(inputs: dict[str, torch.Tensor], name: str):
     return tensor.reshape(-1)[0].item()
 
 
+def _guided_spec(inputs: dict[str, torch.Tensor]) -> GuidedSpec | None:
+    """The structured-output constraint of `guided_type` (a kind's code, 0 = none) and
+    `guided_guide` (its text as UTF-8 bytes)."""
+    if "guided_type" not in inputs:
+        return None
+    code = int(_scalar(inputs, "guided_type"))
+    if code == 0:
+        return None
+    kind = KIND_BY_CODE.get(code)
+    if kind is None:
+        raise InvalidRequestError(
+            f"guided_type: {code} is not a constraint kind; allowed: 0 (none) or "
+            + ", ".join(f"{c} ({k})" for c, k in KIND_BY_CODE.items())
+        )
+    if kind == "json_object":
+        return GuidedSpec(kind)
+    guide = inputs.get("guided_guide")
+    if guide is None:
+        raise InvalidRequestError(f"guided_guide: missing; guided_type {code} ({kind}) needs its text")
+    try:
+        text = guide.reshape(-1).to(torch.uint8).numpy().tobytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequestError(f"guided_guide: the text is not valid UTF-8 ({error})") from None
+    return GuidedSpec(kind, text)
+
+
 def parse_engine_request(inputs: dict[str, torch.Tensor]) -> EngineRequest:
     """Validate the engine model's inputs (tensors with the leading batch dim) and
     build an EngineRequest. Ranges are checked by the engine on add_request."""
-    missing = [name for name in ENGINE_INPUTS if name not in inputs]
+    missing = [name for name in ENGINE_INPUTS if name not in inputs and name not in OPTIONAL_INPUTS]
     if missing:
         raise InvalidRequestError(f"missing inputs: {', '.join(missing)}")
     input_ids = inputs["input_ids"]
@@ -83,6 +112,7 @@ def parse_engine_request(inputs: dict[str, torch.Tensor]) -> EngineRequest:
         ignore_eos=bool(_scalar(inputs, "ignore_eos")),
         logprobs=bool(_scalar(inputs, "return_log_probs")),
         top_logprobs=int(_scalar(inputs, "num_top_logprobs")),
+        guided=_guided_spec(inputs),
     )
     return EngineRequest(
         prompt_token_ids=prompt,

@@ -22,6 +22,14 @@ import numpy as np
 
 from inflightllm import request_rules as rules
 from inflightllm import token_sequences as packing
+from inflightllm.guided.spec import (
+    KIND_CODES,
+    GuidedSpec,
+    GuidedSpecError,
+    check_spec,
+    choice_spec,
+    json_schema_spec,
+)
 
 # sampling_parameters keys, in the order docs/INTERFACE.md lists them.
 SAMPLING_PARAMETER_KEYS = (
@@ -41,7 +49,19 @@ SAMPLING_PARAMETER_KEYS = (
     "ignore_eos",
     "logprobs",
     "n",
+    # Structured output (docs/STRUCTURED-OUTPUT.md): at most one of the guided_* constraints.
+    "guided_json",
+    "guided_json_object",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
 )
+
+# TensorRT-LLM's `guided_decoding_guide_type` values -> our constraint kinds.
+TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}
+# `guided_decoding_backend` values accepted (vLLM's names for the one backend there is).
+GUIDED_BACKENDS = ("xgrammar", "auto")
 
 # Inputs accepted for compatibility and otherwise ignored (their outputs are always sent,
 # and outputs are never padded).
@@ -83,6 +103,10 @@ ENGINE_REQUEST_DTYPES: dict[str, type] = {
     "priority": np.int32,
     "exclude_input_in_output": np.bool_,
     "timeout_ms": np.int32,
+    # Structured output: the kind's code (inflightllm.guided.spec.KIND_CODES, 0 = none) and
+    # the schema, regex, grammar or choices as UTF-8 bytes ([1, n], n >= 1).
+    "guided_type": np.int32,
+    "guided_guide": np.uint8,
 }
 
 
@@ -219,6 +243,12 @@ _JSON_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "logprobs": (_is_integer, "an integer"),
     "n": (_is_integer, "an integer"),
+    "guided_json": (lambda v: isinstance(v, (dict, str, bool)), "a JSON schema (an object, or its JSON text)"),
+    "guided_json_object": (lambda v: isinstance(v, bool), "a boolean"),
+    "guided_regex": (lambda v: isinstance(v, str), "a string"),
+    "guided_choice": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v), "a list of strings"),
+    "guided_grammar": (lambda v: isinstance(v, str), "a string"),
+    "guided_decoding_backend": (lambda v: isinstance(v, str), "a string"),
 }
 assert set(_JSON_TYPES) == set(SAMPLING_PARAMETER_KEYS)
 
@@ -341,6 +371,8 @@ def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[lis
             '(a JSON list of {"role", "content"} objects)'
         )
     if text_array is not None:
+        if inputs.get("tools") is not None:
+            raise RequestError("input 'tools': allowed only with 'messages' (the chat template renders the tools)")
         text = _decode_bytes("input 'text_input'", _scalar("text_input", text_array))
         # As `generate` is usually fed (`tokenizer(text)`): the tokenizer's own special
         # tokens (a BOS for Llama-style tokenizers; none for SmolLM2) are added.
@@ -356,6 +388,10 @@ def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[lis
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"{label}: {_show(messages)} is not {expected}")
     for index, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls"):
+            message.setdefault("content", "")  # an assistant turn of tool calls alone
+            if message["content"] is None:
+                message["content"] = ""
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
@@ -368,12 +404,79 @@ def _prompt_ids(inputs: Mapping[str, np.ndarray | None], tokenizer) -> tuple[lis
             )
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(f"{label}: this model's tokenizer has no chat template; send the prompt as 'text_input'")
+    tools = _tools(inputs)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = render_chat(tokenizer, messages, tools)
     except Exception as error:  # the template's own checks (role order, ...) raise anything
         raise RequestError(f"{label}: the chat template rejected the messages: {error}") from None
     # The template already holds the special tokens (BOS included): add none.
     return list(tokenizer.encode(prompt, add_special_tokens=False)), "messages"
+
+
+# A chat template that does not render tools gets them in a system message of this form.
+TOOLS_SYSTEM_PROMPT = (
+    "You can call these functions (JSON Schema of their arguments):\n{tools}\n"
+    'To call one, reply with only a JSON object: {{"name": <function name>, "arguments": <its arguments>}}.'
+)
+
+
+def _tools(inputs: Mapping[str, np.ndarray | None]) -> list[dict] | None:
+    """The `tools` input: a JSON list of OpenAI tool objects ({"type": "function",
+    "function": {"name", "description", "parameters"}}), or None."""
+    array = inputs.get("tools")
+    if array is None:
+        return None
+    label = "input 'tools'"
+    raw = _decode_bytes(label, _scalar("tools", array))
+    if raw.strip() == "":
+        return None
+    try:
+        tools = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"{label}: not valid JSON ({error})") from None
+    if not isinstance(tools, list):
+        raise RequestError(f"{label}: {_show(tools)} is not a JSON list of tool objects")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{label}: item {index} ({_show(tool)}) is not a tool with a function name")
+    return tools or None
+
+
+def _json_or_text(value):
+    """OpenAI sends a call's arguments as JSON text: shown as the JSON value it holds."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The chat template applied with the generation prompt. Tools go to the template's own
+    tool format when it has one (`tools` in the template); otherwise they are described in
+    a system message (TOOLS_SYSTEM_PROMPT), and earlier tool calls become their JSON text."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if tools and "tools" not in template:
+        messages = [dict(message) for message in messages]
+        for message in messages:
+            if message.get("tool_calls"):
+                calls = [{"name": call["function"]["name"], "arguments": _json_or_text(call["function"].get("arguments"))}
+                         for call in message["tool_calls"]]
+                message["content"] = (message.get("content") or "") + json.dumps(
+                    calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            message.pop("tool_calls", None)
+            message.pop("tool_call_id", None)
+        described = TOOLS_SYSTEM_PROMPT.format(
+            tools=json.dumps([tool["function"] for tool in tools], ensure_ascii=False))
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = messages[0]["content"] + "\n\n" + described
+        else:
+            messages.insert(0, {"role": "system", "content": described})
+        tools = None
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
 
 
 # ----------------------------------------------------------------------------- words
@@ -443,6 +546,91 @@ def _check_unsupported_features(resolve: _Resolver, params: dict) -> None:
             )
     if "n" in params and params["n"] != 1:
         raise RequestError(f"{_json_label('n')}: {_show(params['n'])} is not supported; allowed: 1 (one output per request)")
+
+
+# ----------------------------------------------------------------------------- structured output
+
+
+def _guided_spec(inputs: Mapping[str, np.ndarray | None], params: dict):
+    """The request's constraint (a GuidedSpec) or None: from the vLLM-style `guided_*`
+    sampling_parameters keys or TensorRT-LLM's `guided_decoding_guide_type` and
+    `guided_decoding_guide` inputs; at most one. Checked here (the schema against the
+    JSON Schema meta-schema and the supported keywords, the regex or grammar parsed), so
+    a bad one is refused naming its input before it reaches the engine."""
+    backend = params.get("guided_decoding_backend")
+    if backend is not None and backend.split(":", 1)[0] not in GUIDED_BACKENDS:
+        raise RequestError(
+            f"{_json_label('guided_decoding_backend')}: {_show(backend)} is not supported; "
+            f"allowed: {', '.join(GUIDED_BACKENDS)}"
+        )
+    given: list[tuple[str, object]] = []  # (label, spec builder)
+    keys = [key for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if key in params]
+    if params.get("guided_json_object"):
+        keys.append("guided_json_object")
+    for key in keys:
+        given.append((_json_label(key), key))
+    guide_type = inputs.get("guided_decoding_guide_type")
+    type_text = None
+    if guide_type is not None:
+        type_text = _decode_bytes("input 'guided_decoding_guide_type'", _scalar("guided_decoding_guide_type", guide_type))
+        type_text = type_text.strip() or None
+    guide_array = inputs.get("guided_decoding_guide")
+    if type_text is not None:
+        given.append(("input 'guided_decoding_guide_type'", "trtllm"))
+    elif guide_array is not None:
+        raise RequestError(
+            "input 'guided_decoding_guide' was given without 'guided_decoding_guide_type'; allowed types: "
+            + ", ".join(TRTLLM_GUIDE_TYPES)
+        )
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(
+            f"{' and '.join(label for label, _ in given)}: more than one structured-output constraint; allowed: one"
+        )
+    label, source = given[0]
+    try:
+        if source == "trtllm":
+            kind = TRTLLM_GUIDE_TYPES.get(type_text)
+            if kind is None:
+                raise RequestError(
+                    f"input 'guided_decoding_guide_type': {_show(type_text)} is not supported; allowed: "
+                    f"{', '.join(TRTLLM_GUIDE_TYPES)}"
+                )
+            label = "input 'guided_decoding_guide'"
+            guide = None
+            if guide_array is not None:
+                guide = _decode_bytes(label, _scalar("guided_decoding_guide", guide_array))
+            if kind == "json_object":
+                spec = GuidedSpec("json_object")
+            elif not guide:
+                raise RequestError(f"{label} is missing or empty; guide type {_show(type_text)} needs one")
+            elif kind == "json_schema":
+                spec = json_schema_spec(guide)
+            else:
+                spec = GuidedSpec(kind, guide)
+        elif source == "guided_json":
+            spec = json_schema_spec(params["guided_json"])
+        elif source == "guided_json_object":
+            spec = GuidedSpec("json_object")
+        elif source == "guided_choice":
+            spec = choice_spec(params["guided_choice"])
+        else:
+            spec = GuidedSpec("regex" if source == "guided_regex" else "grammar", params[source])
+        check_spec(spec)
+    except GuidedSpecError as error:  # "guided_json: <what>" -> "<the input's label>: <what>"
+        text = str(error)
+        detail = text.split(": ", 1)[1] if text.startswith("guided_") and ": " in text else text
+        raise RequestError(f"{label}: {detail}") from None
+    return spec
+
+
+def _guided_tensors(spec: GuidedSpec | None) -> tuple[int, np.ndarray]:
+    """(guided_type, guided_guide [1, n] uint8) of a constraint, or of none."""
+    if spec is None:
+        return 0, np.zeros((1, 1), dtype=np.uint8)
+    data = np.frombuffer(spec.text.encode("utf-8") or b"\0", dtype=np.uint8)
+    return KIND_CODES[spec.kind], data.reshape(1, -1).copy()  # [1, n]
 
 
 # ----------------------------------------------------------------------------- request
@@ -572,6 +760,7 @@ def build_engine_request(
             return_log_probs = True
 
     _check_unsupported_features(resolve, params)
+    guided_type, guided_guide = _guided_tensors(_guided_spec(inputs, params))
 
     value, label = resolve.get("priority")
     priority = 0
@@ -613,10 +802,12 @@ def build_engine_request(
         "priority": priority,
         "exclude_input_in_output": False if exclude_input is None else bool(exclude_input),
         "timeout_ms": timeout_ms,
+        "guided_type": guided_type,
     }
     request = {"input_ids": np.array([input_ids], dtype=np.int32)}  # [1, num_prompt_tokens]
     for name, scalar in scalars.items():
         request[name] = np.array([[scalar]], dtype=ENGINE_REQUEST_DTYPES[name])  # [1, 1]
     request["stop_words"] = pack_token_sequences(stop_sequences)  # [1, packed length]
     request["bad_words"] = pack_token_sequences(bad_sequences)
+    request["guided_guide"] = guided_guide  # [1, n] UTF-8 bytes
     return {name: request[name] for name in ENGINE_REQUEST_DTYPES}

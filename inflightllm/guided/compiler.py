@@ -1,0 +1,99 @@
+"""Compiled grammars, built off the step thread and cached by their text.
+
+`GrammarCompilerPool.submit(spec)` returns a Future of the compiled grammar: a hit in the
+cache (keyed by the spec's kind and text) is the same Future, so a burst of requests with
+one schema compiles it once. Compilation runs on one worker thread, which also loads the
+tokenizer's vocabulary the first time a constrained request arrives; the engine's step
+thread only polls `Future.done()`. A failed compile is that Future's exception (the
+request that asked fails alone) and is not cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from inflightllm.guided.spec import GuidedSpec, GuidedSpecError, _short, check_spec, choice_grammar
+
+DEFAULT_CACHE_ENTRIES = 256
+
+
+class GrammarCompilerPool:
+    """Compiles `GuidedSpec`s for one tokenizer on a worker thread; keeps the last
+    `max_entries` compiled grammars (LRU)."""
+
+    def __init__(self, tokenizer_folder: Path | str | None, vocab_size: int, stop_token_ids,
+                 max_entries: int = DEFAULT_CACHE_ENTRIES, tokenizer=None):
+        self.tokenizer_folder = tokenizer_folder
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_entries = max_entries
+        self._tokenizer = tokenizer
+        self._compiler = None  # xgrammar.GrammarCompiler, made on the worker thread
+        self._info = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[GuidedSpec, Future] = OrderedDict()
+        self.num_compiled = 0  # compiles run (not cache hits): tests and metrics read it
+
+    def submit(self, spec: GuidedSpec) -> Future:
+        """The Future of `spec`'s compiled grammar (a cached one when there is one)."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._executor.submit(self._compile, spec)
+            self._cache[spec] = future
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda done: self._forget_failed(spec, done))
+        return future
+
+    def _forget_failed(self, spec: GuidedSpec, future: Future) -> None:
+        if future.exception() is not None:
+            with self._lock:
+                if self._cache.get(spec) is future:
+                    del self._cache[spec]
+
+    def tokenizer_info(self):
+        """xgrammar's view of the vocabulary (built once, on first use)."""
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            tokenizer = self._tokenizer
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_folder)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+            )
+            self._info = info
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._info
+
+    def _compile(self, spec: GuidedSpec):
+        check_spec(spec)  # the field-naming error for anything the engine got unchecked
+        self.tokenizer_info()
+        compiler = self._compiler
+        self.num_compiled += 1
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.text, any_whitespace=False)
+            if spec.kind == "json_object":  # a JSON object (not any JSON value), any keys
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "grammar":
+                return compiler.compile_grammar(spec.text)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.text))
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise GuidedSpecError(f"{spec.field}: {_short(error)}") from None
+        raise GuidedSpecError(f"guided_decoding: kind {spec.kind!r} is not supported")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

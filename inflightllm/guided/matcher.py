@@ -1,0 +1,98 @@
+"""A constrained request's grammar state, and the batched mask over a step's logits.
+
+`GuidedState` wraps xgrammar's matcher: it advances with each token the engine appends
+and fills the request's next-token bitmask on the host (32 tokens per int32 word, bit set
+= allowed). `apply_token_bitmask` applies the masks of all constrained rows of a step to
+its logits in one batched call, on the logits' device (CPU or CUDA, any float dtype),
+without a host synchronisation; unconstrained rows are not touched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class GuidedState:
+    """The grammar matcher of one request, and its bitmask for the next token."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._mask = torch.zeros(1, self.num_words, dtype=torch.int32)  # xgrammar fills a torch row
+        self._filled = False
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False when the grammar does not allow it."""
+        self._filled = False
+        return bool(self.matcher.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def next_mask(self) -> np.ndarray:
+        """The allowed next tokens as [num_words] int32 (filled once per accepted token)."""
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self._mask, 0)
+            self._filled = True
+        return self._mask.numpy()[0]
+
+    def allows_only(self, token_ids) -> bool:
+        """Whether every allowed next token is one of `token_ids` (the grammar is done)."""
+        allowed = np.unpackbits(self.next_mask().view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed[[t for t in token_ids if 0 <= t < self.vocab_size]] = 0
+        return not allowed.any()
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, num_words] int32 -> [k, vocab] bool allowed; ids past the mask's words are not."""
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    padded = torch.zeros(bitmask.shape[0], vocab, dtype=torch.bool, device=bitmask.device)
+    padded[:, : allowed.shape[1]] = allowed
+    return padded
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: in-place edits need this mode
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """-inf on the logits of disallowed tokens of the constrained rows, in place.
+
+    logits [m, vocab] (a step's sampling rows); bitmask [k, num_words] int32 on the logits'
+    device; rows [k] int64 the logits rows the masks belong to. One gather, one masked
+    fill and one scatter, whatever k is."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    selected = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, selected)
+
+
+def apply_step_bitmask(logits: torch.Tensor, masked_ids: list[str], bitmask, request_ids: list[str],
+                       upload=None) -> None:
+    """Apply the masks of `masked_ids` (rows of `bitmask`, [k, words] int32 NumPy) to
+    `logits`, whose rows are `request_ids` (the runner's sampling order). `upload`: host
+    array -> device tensor (the GPU runner's pinned staging); by default a plain copy to
+    the logits' device."""
+    if not masked_ids:
+        return
+    index = {request_id: row for row, request_id in enumerate(request_ids)}
+    pairs = [(k, index[rid]) for k, rid in enumerate(masked_ids) if rid in index]
+    if not pairs:
+        return
+    mask_rows = np.fromiter((k for k, _ in pairs), np.int64, len(pairs))
+    logit_rows = np.fromiter((row for _, row in pairs), np.int64, len(pairs))
+    bitmask = np.ascontiguousarray(np.asarray(bitmask, np.int32)[mask_rows])
+    if upload is None:
+        def upload(array):
+            return torch.from_numpy(array).to(logits.device, non_blocking=True)
+    apply_token_bitmask(logits, upload(bitmask), upload(logit_rows))
