@@ -69,6 +69,10 @@ class BlockManager:
         # Counters (prefix-cache hit rate = hit tokens / queried tokens).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write: (source block, destination block) copies the next step must do
+        # before its forward, and how many were made in all.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.cow_copies_total = 0
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -84,6 +88,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold reusable cached content."""
         return self._num_free_cached
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence (O(num_blocks): for metrics, not per step)."""
+        return sum(1 for block in self.blocks if block.ref_count > 1)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -211,13 +220,62 @@ class BlockManager:
         self._grow(request, num_tokens)
         request.num_computed_tokens = computed
 
+    def _shared_in_write_range(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indexes into the block table of shared blocks the next `num_new_tokens` tokens
+        write into (at most the partial last block: full blocks are never written)."""
+        if not request.may_share:
+            return []
+        table = request.block_table
+        first = request.num_computed_tokens // self.block_size
+        end = min(len(table), self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens))
+        return [index for index in range(first, end) if self.blocks[table[index]].ref_count > 1]
+
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self._num_new_blocks(request, [], num_new_tokens) <= self.num_free_blocks
+        needed = self._num_new_blocks(request, [], num_new_tokens)
+        if request.may_share:
+            needed += len(self._shared_in_write_range(request, num_new_tokens))
+        return needed <= self.num_free_blocks
+
+    def share(self, source: Request, target: Request) -> None:
+        """Give `target` (holding no blocks) the block table of `source`: every block gets
+        one more reference; the first write into a shared block copies it (`append_slots`).
+        The prefix-cache bookkeeping of the shared full blocks is shared too."""
+        if target.block_table:
+            raise RuntimeError(f"request {target.request_id} already holds blocks")
+        for block_id in source.block_table:
+            self.blocks[block_id].ref_count += 1
+        target.block_table = list(source.block_table)
+        target.block_hashes = list(source.block_hashes)
+        target.num_registered_blocks = source.num_registered_blocks
+        source.may_share = target.may_share = True
+
+    def _copy_on_write(self, request: Request, indexes: list[int]) -> None:
+        """Replace the shared blocks at `indexes` of the table by private copies."""
+        table = request.block_table
+        for index in indexes:
+            old = self.blocks[table[index]]
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._num_free_cached -= 1
+            self._evict_if_cached(block)
+            block.ref_count = 1
+            old.ref_count -= 1  # still >= 1: another sequence holds it
+            table[index] = block_id
+            self.pending_copies.append((old.block_id, block_id))
+            self.cow_copies_total += 1
+            request.table_rewritten = True
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens of a running request. Returns False,
         allocating nothing, when there are not enough free blocks."""
         table = request.block_table
+        if request.may_share:  # a sequence of a group: its partial block may be shared
+            shared = self._shared_in_write_range(request, num_new_tokens)
+            if shared:
+                if not self.can_append(request, num_new_tokens):
+                    return False
+                self._copy_on_write(request, shared)
         if table and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return True  # fits in the blocks it holds (most decode steps): nothing to allocate
         if not self.can_append(request, num_new_tokens):

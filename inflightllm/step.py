@@ -55,6 +55,9 @@ class StepDescription:
     # (request id, fresh device block ids) that get a swapped-out request's K/V back.
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Copy-on-write (sequence groups): (source block, destination block) pairs whose K/V
+    # are copied after the swap-outs and before the swap-ins and the forward.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

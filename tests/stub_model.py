@@ -65,6 +65,9 @@ class StubRunner:
         self.steps.append(step)
         for request_id, block_ids in step.swap_out:
             self.swapped[request_id] = [self.slots[s] for s in self._block_slots(block_ids)]
+        for source, destination in step.block_copies:  # copy-on-write
+            for offset in range(self.block_size):
+                self.slots[destination * self.block_size + offset] = self.slots[source * self.block_size + offset]
         for request_id, block_ids in step.swap_in:
             for slot, record in zip(self._block_slots(block_ids), self.swapped.pop(request_id), strict=True):
                 self.slots[slot] = record
