@@ -194,6 +194,23 @@ class BlockManager:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
         if not self.can_allocate(request, computed_blocks, num_new_tokens):
             raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+        self._take_computed(request, computed_blocks)
+        self._grow(request, num_new_tokens)
+
+    def allocate_together(self, plans: list[tuple[Request, list[int], int]]) -> None:
+        """Admit several requests (a sequence group) at once: every one's cached prefix is
+        taken before any grows, so no one's growth evicts a cached block another shares.
+        The caller checked that the blocks suffice."""
+        for request, computed_blocks, _ in plans:
+            if request.block_table:
+                raise RuntimeError(f"request {request.request_id} already holds blocks")
+            self._take_computed(request, computed_blocks)
+        for request, _, num_new_tokens in plans:
+            if self._num_new_blocks(request, [], num_new_tokens) > self.num_free_blocks:
+                raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+            self._grow(request, num_new_tokens)
+
+    def _take_computed(self, request: Request, computed_blocks: list[int]) -> None:
         for block_id in computed_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -205,7 +222,6 @@ class BlockManager:
         request.num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += request.num_computed_tokens
-        self._grow(request, num_new_tokens)
 
     def allocate_fresh(self, request: Request, num_tokens: int) -> None:
         """Admit a request whose first `request.num_computed_tokens` tokens come back from

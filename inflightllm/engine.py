@@ -261,15 +261,24 @@ class Engine:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache of {capacity} tokens"
             )
-        if group is not None and group.is_group:
+        if group is not None:
             config = self.config
             group.validate(params, config.max_n, config.max_beam_width, config.max_batch_size, streaming)
-            # A group is admitted and resumed whole: its sequences' worst case must fit.
-            worst = group.num_sequences * self.block_manager.blocks_for_tokens(total)
-            if worst > self.block_manager.num_blocks:
+        if group is not None and group.is_group:
+            # A group is admitted and resumed whole: its sequences' worst case must fit. They
+            # share the prompt's full blocks, also when resumed after a recompute preemption
+            # (through the prefix cache); swapped or without the prefix cache they do not.
+            manager = self.block_manager
+            sequences = group.num_sequences
+            if config.enable_kv_cache_reuse and config.preemption_mode == "recompute":
+                shared = len(prompt_token_ids) // manager.block_size
+                worst = shared + sequences * (manager.blocks_for_tokens(total) - shared)
+            else:
+                worst = sequences * manager.blocks_for_tokens(total)
+            if worst > manager.num_blocks:
                 raise InvalidRequestError(
-                    f"max_tokens: {group.num_sequences} sequences of prompt + max_tokens = {total} tokens need up "
-                    f"to {worst} KV blocks; the cache has {self.block_manager.num_blocks}"
+                    f"max_tokens: {sequences} sequences of prompt + max_tokens = {total} tokens need up "
+                    f"to {worst} KV blocks; the cache has {manager.num_blocks}"
                 )
 
     def add_request(
@@ -629,6 +638,7 @@ class Engine:
             scheduled = self.scheduler.schedule()
             self._counters.tokens_last_step = scheduled.num_batched_tokens
             if scheduled.is_empty and not scheduled.swapped_out:
+                self._forget_preempted(scheduled)
                 return outputs
             try:
                 sampled = self.runner.execute(self._describe(scheduled))
@@ -653,7 +663,9 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
-        if not (scheduled.is_empty and not scheduled.swapped_out):
+        if scheduled.is_empty and not scheduled.swapped_out:
+            self._forget_preempted(scheduled)
+        else:
             try:
                 description = self._describe(scheduled)
                 described = time.perf_counter()
@@ -682,6 +694,13 @@ class Engine:
             self._resolve(outputs)
         self._inflight = launched
         return outputs
+
+    def _forget_preempted(self, scheduled: SchedulerOutput) -> None:
+        """A step with nothing to run still preempted (a whole group can preempt itself):
+        the runner hears of it with the next step, before it gets them whole again."""
+        for request in scheduled.preempted:
+            if self._runner_blocks.pop(request.request_id, None) is not None:
+                self._runner_reset.append(request.request_id)
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
         """A step that raised fails its own requests only; the engine goes on."""

@@ -375,11 +375,18 @@ class Scheduler:
             left -= num_new
         if needed + len(reclaimed) > manager.num_free_blocks:
             return None
+        # Cached prefixes first, all at once (no member's growth may evict another's hit).
+        together = [(member, computed, num_new) for member, computed, num_new in plans if computed is not None]
+        for member, _, _ in together:
+            self.waiting.remove(member)
+        manager.allocate_together(together)
         for member, computed, num_new in plans:
             if computed is None:
                 self._admit_swapped(member, num_new, output)
             else:
-                self._admit(member, computed, num_new)
+                if not member.first_admitted:
+                    member.num_cached_tokens = member.num_computed_tokens
+                self.start_running(member)
             if num_new > 0:
                 output.scheduled.append(ScheduledRequest(member, num_new))
         return budget - left

@@ -76,7 +76,7 @@ class GroupParams:
             raise InvalidRequestError(
                 f"beam_width: {self.beam_width!r} is out of range; allowed: 1 to {max_beam_width} "
                 "(engine.max_beam_width)")
-        if self.beam_width > 1 and self.num_sequences != self.beam_width:
+        if self.beam_width > 1 and (self.n not in (1, self.beam_width) or self.best_of is not None):
             raise InvalidRequestError(
                 f"n: {self.n} with beam_width {self.beam_width}: beam search returns its beams; "
                 "allowed: n 1 (or equal to beam_width), best_of unset")

@@ -3,7 +3,8 @@
 Each KV slot of the stub records the token prefix it was computed from, and every
 scheduled context is checked before each step (tests/stub_model.py). Random arrivals
 (from prompt families that share prefixes), priorities, client aborts, a small KV cache
-(preemptions, both recompute and swap) and prefix-cache hits; after every step the block
+(preemptions, both recompute and swap), prefix-cache hits, and requests with several
+outputs (sequence groups: n, best_of; shared blocks and copy-on-write); after every step the block
 accounting is checked against the live requests, and at the end every block is free, the
 queues are empty and every completed request's output equals the stub model's offline
 output. The events the fuzz is meant to cover are asserted to have happened.
@@ -16,7 +17,8 @@ import random
 import pytest
 
 from inflightllm.request import FinishReason, RequestStatus
-from inflightllm.sampling_params import SamplingParams
+from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+from inflightllm.sequence_group import GroupParams
 from tests.stub_model import reference_output, stub_engine
 
 
@@ -43,6 +45,8 @@ def check_invariants(engine) -> None:
     swapped = sum(request.num_swapped_blocks for request in scheduler.waiting)
     assert scheduler.num_free_swap_blocks == scheduler.swap_space_blocks - swapped
     assert set(engine.requests) == {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+    for group in engine.groups.values():  # a group lives while one of its sequences does
+        assert any(r.request_id in engine.requests for r in group.sequences)
     assert engine.runner.violations == []
 
 
@@ -55,7 +59,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
                          enable_kv_cache_reuse=prefix_caching, priority_levels=3)
     families = [[rng.randrange(1, 97) for _ in range(rng.randrange(2, 10))] for _ in range(4)]
     expected: dict[str, list[int]] = {}
-    received: dict[str, list[int]] = {}
+    received: dict[tuple[str, int], list[int]] = {}  # (request id, sequence index) -> tokens
+    outputs_of: dict[str, int] = {}  # request id -> its number of outputs
     finished: dict[str, FinishReason] = {}
     counter = 0
     for _ in range(steps):
@@ -64,14 +69,25 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
             request_id = f"r{counter}"
             prompt = rng.choice(families) + [rng.randrange(1, 97) for _ in range(rng.randrange(0, 6))]
             max_tokens = rng.randrange(1, 12)
-            engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
-                               priority=rng.randrange(3), streaming=rng.random() < 0.5)
+            streaming = rng.random() < 0.5
+            group = None
+            if rng.random() < 0.3:  # several outputs: n, or best_of (held back: no streaming)
+                n = rng.choice([2, 3])
+                group = GroupParams(n=n) if streaming or rng.random() < 0.5 else GroupParams(n=n - 1, best_of=n)
+            try:
+                engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
+                                   priority=rng.randrange(3), streaming=streaming, group=group)
+            except InvalidRequestError as error:
+                assert "KV blocks" in str(error) and group is not None  # the group cannot fit this cache
+                continue
             expected[request_id] = reference_output(prompt, max_tokens)
+            outputs_of[request_id] = group.n if group is not None else 1
         if engine.requests and rng.random() < 0.08:
-            engine.abort(rng.choice(sorted(engine.requests)))
+            engine.abort(rng.choice(sorted(engine.requests)).split("\x1f")[0])
         for output in engine.step():
-            received.setdefault(output.request_id, []).extend(output.new_token_ids)
+            received.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
             assert output.error is None, output.error
+            assert output.request_id not in finished, "an output after the request finished"
             if output.finished:
                 finished[output.request_id] = output.finish_reason
         check_invariants(engine)
@@ -79,21 +95,25 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
         if not engine.has_unfinished():
             break
         for output in engine.step():
-            received.setdefault(output.request_id, []).extend(output.new_token_ids)
+            received.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
             if output.finished:
                 finished[output.request_id] = output.finish_reason
         check_invariants(engine)
-    assert not engine.has_unfinished()
+    assert not engine.has_unfinished() and not engine.groups
     stats = engine.stats()
     assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert set(finished) == set(expected)
     completed = [rid for rid, reason in finished.items() if reason is not FinishReason.CANCELLED]
-    for request_id in completed:
-        assert received.get(request_id, []) == expected[request_id], request_id
+    for request_id in completed:  # every output of a group is the stub's (greedy) output
+        for index in range(outputs_of[request_id]):
+            assert received.get((request_id, index), []) == expected[request_id], (request_id, index)
     for request_id, reason in finished.items():  # a cancelled request got a prefix of its output
         if reason is FinishReason.CANCELLED:
-            assert expected[request_id][: len(received.get(request_id, []))] == received.get(request_id, [])
+            for index in range(outputs_of[request_id]):
+                got = received.get((request_id, index), [])
+                assert expected[request_id][: len(got)] == got
+    groups = sum(1 for count in outputs_of.values() if count > 1)
     return {
         "preemptions": stats.num_preemptions_total,
         "swaps": stats.num_swapped_out_total,
@@ -101,6 +121,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
         "cancelled": len(finished) - len(completed),
         "completed": len(completed),
         "contexts_checked": engine.runner.contexts_checked,
+        "groups": groups,
+        "cow_copies": stats.num_cow_copies_total,
     }
 
 
@@ -114,6 +136,7 @@ def test_fuzz_finds_no_leak_and_no_wrong_sharing(mode, prefix_caching):
     # The events the fuzz exists for happened, many times.
     assert totals["preemptions"] > 20 and totals["cancelled"] > 10 and totals["completed"] > 300
     assert totals["contexts_checked"] > 10_000
+    assert totals["groups"] > 100 and totals["cow_copies"] > 50
     if mode == "swap":
         assert totals["swaps"] > 10
     if prefix_caching:
