@@ -73,6 +73,7 @@ class BlockManager:
         # before its forward, and how many were made in all.
         self.pending_copies: list[tuple[int, int]] = []
         self.cow_copies_total = 0
+        self._num_shared = 0  # blocks with more than one reference (kept as references change)
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -91,8 +92,8 @@ class BlockManager:
 
     @property
     def num_shared_blocks(self) -> int:
-        """Blocks held by more than one sequence (O(num_blocks): for metrics, not per step)."""
-        return sum(1 for block in self.blocks if block.ref_count > 1)
+        """Blocks held by more than one request (sequence groups, prefix-cache hits)."""
+        return self._num_shared
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -218,6 +219,8 @@ class BlockManager:
                 if block.block_hash is not None:
                     self._num_free_cached -= 1
             block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
         request.block_table = list(computed_blocks)
         request.num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
@@ -259,7 +262,10 @@ class BlockManager:
         if target.block_table:
             raise RuntimeError(f"request {target.request_id} already holds blocks")
         for block_id in source.block_table:
-            self.blocks[block_id].ref_count += 1
+            block = self.blocks[block_id]
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
         target.block_table = list(source.block_table)
         target.block_hashes = list(source.block_hashes)
         target.num_registered_blocks = source.num_registered_blocks
@@ -277,6 +283,8 @@ class BlockManager:
             self._evict_if_cached(block)
             block.ref_count = 1
             old.ref_count -= 1  # still >= 1: another sequence holds it
+            if old.ref_count == 1:
+                self._num_shared -= 1
             table[index] = block_id
             self.pending_copies.append((old.block_id, block_id))
             self.cow_copies_total += 1
@@ -317,6 +325,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 1:
+                self._num_shared -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
                 if block.block_hash is None:

@@ -38,6 +38,7 @@ def check_invariants(engine) -> None:
     for block in manager.blocks:
         assert block.ref_count == counts[block.block_id], f"block {block.block_id}"
         assert (block.block_id in manager.free_queue) == (block.ref_count == 0)
+    assert manager.num_shared_blocks == sum(1 for block in manager.blocks if block.ref_count > 1)
     for key, block_id in manager.cached_blocks.items():
         assert manager.blocks[block_id].block_hash == key
     assert manager.num_cached_blocks == sum(

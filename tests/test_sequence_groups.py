@@ -205,3 +205,25 @@ def test_n8_over_a_long_prompt_holds_the_prompt_once(smollm2_loaded):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats().num_blocks_used == 0
+
+
+def test_metrics_show_shared_blocks_and_copies():
+    from inflightllm.metrics import EngineMetrics
+    from tests.test_metrics import _Family, _PbUtils, _value
+
+    _Family.created = {}
+    metrics = EngineMetrics(_PbUtils, model_name="engine")
+    engine = stub_engine(num_blocks=32, block_size=4)
+    engine.add_request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=3), group=GroupParams(n=3))
+    outputs = engine.step()  # forked: the prompt's two blocks shared by three
+    metrics.update(engine.stats(), outputs)
+    assert _value("inflightllm_kv_cache_shared_blocks") == 2
+    outputs = engine.step()  # two sequences copied the partial block
+    metrics.update(engine.stats(), outputs)
+    assert _value("inflightllm_kv_cache_shared_blocks") == 1
+    assert _value("inflightllm_kv_cache_cow_copies_total") == 2
+    while engine.has_unfinished():
+        outputs = engine.step()
+        metrics.update(engine.stats(), outputs)
+    assert _value("inflightllm_kv_cache_shared_blocks") == 0
+    assert _value("inflightllm_kv_cache_cow_copies_total") == 2
