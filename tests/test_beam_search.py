@@ -128,13 +128,15 @@ def random_llama(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     spec = ModelSpec(source="hf_folder", path=str(folder))
-    return spec, load_model(spec), model
+    return request.param, spec, load_model(spec), model
 
 
 def test_random_llama_beams_equal_transformers(random_llama):
+    """The MHA shape runs with asynchronous scheduling (the GPU default): the engine then
+    waits for a beam step's candidates before it schedules the group's next step."""
     import random
 
-    spec, loaded, hf_model = random_llama
+    name, spec, loaded, hf_model = random_llama
     rng = random.Random(5)
     lengths = [7, 16, 21, 33]
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
@@ -146,8 +148,9 @@ def test_random_llama_beams_equal_transformers(random_llama):
     ]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
     requests.append(("greedy", prompts[1], SamplingParams(max_tokens=24), None))
-    engine = Engine(spec, EngineConfig(num_kv_blocks=36, block_size=4, max_num_tokens=48), sampler_seed=0,
-                    loaded=loaded)
+    config = EngineConfig(num_kv_blocks=36, block_size=4, max_num_tokens=48,
+                          async_scheduling=name == "tiny-llama-mha")
+    engine = Engine(spec, config, sampler_seed=0, loaded=loaded)
     preempted = record_group_preemptions(engine)
     finals = run_beams(engine, requests, arrivals=[0, 2, 3, 5, 1])
     assert preempted, "no group was preempted"

@@ -101,6 +101,24 @@ def test_group_is_preempted_and_resumed_whole():
     assert engine.block_manager.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_groups_with_asynchronous_scheduling(mode):
+    from inflightllm.model_runner import CompletedStep
+
+    engine = stub_engine(num_blocks=24, block_size=2, max_num_tokens=16, async_scheduling=True, preemption_mode=mode)
+    engine.runner.launch = lambda step: CompletedStep(engine.runner.execute(step))  # the stub runs at once
+    requests = {"x": ([1, 2, 3], 24, None), "y": ([4, 5], 24, None),
+                "g": ([7, 8, 9, 10, 11], 10, GroupParams(n=3)), "h": ([9], 5, GroupParams(n=2))}
+    arrivals = {step: [(rid, requests[rid][0], SamplingParams(max_tokens=requests[rid][1]), requests[rid][2])
+                       for rid in ids] for step, ids in {0: ["x"], 1: ["y"], 2: ["g", "h"]}.items()}
+    received, _ = run(engine, arrivals)
+    assert engine.runner.violations == [] and engine.stats().num_preemptions_total > 0
+    for request_id, (prompt, max_tokens, group) in requests.items():
+        expected = reference_output(prompt, max_tokens)
+        assert received[request_id] == {i: expected for i in range(group.n if group else 1)}
+    assert engine.block_manager.num_free_blocks == 24
+
+
 def test_cancel_a_group_frees_every_block_and_sends_one_final():
     engine = stub_engine(num_blocks=32, block_size=4)
     engine.add_request("g", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=10), group=GroupParams(n=3),
