@@ -86,7 +86,34 @@ def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         time_per_output_token=last.time_per_output_token,
         e2e_latency=last.e2e_latency,
         error=last.error,
+        sequence_index=last.sequence_index,
+        sequence_finished=last.sequence_finished,
     )
+
+
+def per_beam_outputs(output: RequestOutput) -> list[RequestOutput]:
+    """A beam search output as one output per beam, `sequence_index` = its rank, each with
+    the beam's whole generated ids (beams change from step to step: a response replaces
+    the beam's text, it does not extend it); only the last is the request's final. Other
+    outputs come back as they are."""
+    if output.beam_token_ids is None:
+        return [output]
+    beams = output.beam_token_ids
+    cums = output.beam_cum_logprobs or [0.0] * len(beams)
+    if not beams:  # cancelled before the first beam step
+        beams, cums = [list(output.new_token_ids)], [output.cum_logprob]
+    result = []
+    for index, (token_ids, cum) in enumerate(zip(beams, cums, strict=True)):
+        last = index == len(beams) - 1
+        result.append(RequestOutput(
+            request_id=output.request_id, new_token_ids=list(token_ids), context_ids=[], new_logprobs=[],
+            new_top_ids=[], new_top_logprobs=[], cum_logprob=cum, finished=output.finished and last,
+            finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+            num_output_tokens=len(token_ids), num_cached_tokens=output.num_cached_tokens,
+            time_to_first_token=output.time_to_first_token, time_per_output_token=output.time_per_output_token,
+            e2e_latency=output.e2e_latency, error=output.error, sequence_index=index,
+            sequence_finished=output.finished))
+    return result
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from inflightllm import request_rules as rules
 from inflightllm.request import Request
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 
@@ -84,8 +85,9 @@ class GroupParams:
                 not isinstance(self.early_stopping, bool):
             raise InvalidRequestError(
                 f"early_stopping: {self.early_stopping!r} is not allowed; allowed: true, false or \"never\"")
-        if not -10.0 <= self.length_penalty <= 10.0:
-            raise InvalidRequestError(f"length_penalty: {self.length_penalty!r} is out of range; allowed: -10 to 10")
+        if not rules.LENGTH_PENALTY.contains(self.length_penalty):
+            raise InvalidRequestError(
+                f"length_penalty: {self.length_penalty!r} is out of range; allowed: {rules.LENGTH_PENALTY.allowed}")
         if self.num_sequences > max_batch_size:
             raise InvalidRequestError(
                 f"{'beam_width' if self.beam_width > 1 else 'best_of' if self.best_of else 'n'}: "
