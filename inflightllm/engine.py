@@ -254,6 +254,7 @@ class Engine:
         self._unforked: list[Request] = []
         self._runner_reset: list[str] = []
         self._num_beam_groups = 0
+        self.num_beam_outputs = 0  # beam search outputs made so far (the serving loop expands those)
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -501,6 +502,7 @@ class Engine:
             scores = list(cum)
             reason = FinishReason.NONE
         best = beams[0] if beams else []
+        self.num_beam_outputs += 1
         output = RequestOutput(
             request_id=group.request_id,
             new_token_ids=list(best),

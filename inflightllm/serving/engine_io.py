@@ -181,7 +181,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
     packed response, where postprocessing counts it answered (inflightllm/piece_ledger.py)."""
     token_ids = output.new_token_ids
     context = output.context_ids
-    if request.echo_prompt and output.finished:
+    if request.echo_prompt and (output.finished if output.sequence_finished is None else output.sequence_finished):
         token_ids = request.prompt_token_ids + token_ids
         context = []
     top_k = request.params.top_logprobs

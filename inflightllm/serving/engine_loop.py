@@ -81,6 +81,7 @@ class EngineLoop:
         self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
         self._cancels: deque[int] = deque()  # handles of requests to abort
         self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
+        self._beam_outputs_seen = 0  # engine.num_beam_outputs when outputs were last delivered
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
@@ -269,7 +270,8 @@ class EngineLoop:
         """Hand the outputs to the sender thread; a finished request leaves `_active` now.
         A beam search output becomes one output per beam (docs/SEQUENCE-GROUPS.md)."""
         batch = []
-        if any(output.beam_token_ids is not None for output in outputs):
+        if self.engine.num_beam_outputs != self._beam_outputs_seen:  # not a per-output test on every step
+            self._beam_outputs_seen = self.engine.num_beam_outputs
             outputs = [item for output in outputs for item in per_beam_outputs(output)]
         for output in outputs:
             entry = self._active.get(output.request_id)
