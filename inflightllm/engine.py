@@ -470,6 +470,8 @@ class Engine:
         for index, request in enumerate(live):
             if index not in claimed:
                 self._finish(request, FinishReason.NONE, quiet=True)
+        # Dead beams are forgotten (a long search forks thousands of sequences).
+        group.sequences = [request for request in group.sequences if not request.is_finished]
         group.live = []
         for (request, token), next_beam in zip(new_live, next_beams, strict=True):
             request.token_ids.append(token)

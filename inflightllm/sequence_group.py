@@ -105,8 +105,9 @@ class SequenceGroup:
     request_id: str
     params: SamplingParams  # as the client sent them
     group_params: GroupParams
-    sequences: list[Request] = field(default_factory=list)  # every sequence made, by index
+    sequences: list[Request] = field(default_factory=list)  # its sequences (beam search: the dead ones dropped)
     num_unfinished: int = 0
+    next_index: int = 0  # the index of the next sequence made
     forked: bool = False  # the sequences after the first exist (parallel sampling: shared prompt)
     beam: object | None = None  # its BeamSearch (beam search only)
     # Beam search: the live beams' sequences, in beam order, and their candidates this step
@@ -139,7 +140,8 @@ class SequenceGroup:
 
     def new_sequence(self, template: Request) -> Request:
         """A new sequence of the group: the next index, the template's prompt and settings."""
-        index = len(self.sequences)
+        index = self.next_index
+        self.next_index += 1
         sequence = Request(
             request_id=f"{self.request_id}{SEQUENCE_SEPARATOR}{index}",
             prompt_token_ids=template.prompt_token_ids,
