@@ -293,16 +293,13 @@ class Engine:
             config = self.config
             group.validate(params, config.max_n, config.max_beam_width, config.max_batch_size, streaming)
         if group is not None and group.is_group:
-            # A group is admitted and resumed whole: its sequences' worst case must fit. They
-            # share the prompt's full blocks, also when resumed after a recompute preemption
-            # (through the prefix cache); swapped or without the prefix cache they do not.
+            # A group is admitted and resumed whole. Running, its sequences share the prompt's
+            # blocks; resumed after a preemption they share only what the prefix cache still
+            # holds (nothing once evicted, or swapped): the unshared worst case must fit, or
+            # a preempted group could wait for room that never comes.
             manager = self.block_manager
             sequences = group.num_sequences
-            if config.enable_kv_cache_reuse and config.preemption_mode == "recompute":
-                shared = len(prompt_token_ids) // manager.block_size
-                worst = shared + sequences * (manager.blocks_for_tokens(total) - shared)
-            else:
-                worst = sequences * manager.blocks_for_tokens(total)
+            worst = sequences * manager.blocks_for_tokens(total)
             if worst > manager.num_blocks:
                 raise InvalidRequestError(
                     f"max_tokens: {sequences} sequences of prompt + max_tokens = {total} tokens need up "
@@ -500,7 +497,7 @@ class Engine:
             self._drop_group(group)
         else:
             beams = [request.output_token_ids for request in group.live]
-            cum = [request.logprobs[-1] for request in group.live]
+            cum = [request.logprobs[-1] if request.logprobs else 0.0 for request in group.live]
             scores = list(cum)
             reason = FinishReason.NONE
         best = beams[0] if beams else []

@@ -93,12 +93,13 @@ def test_smollm2_beams_equal_transformers_staggered_with_a_preemption(smollm2_lo
         ("beam8", chat_prompts[2], GroupParams(beam_width=8, length_penalty=1.5, early_stopping="never"), 8),
     ]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
-    requests.append(("greedy", chat_prompts[0], SamplingParams(max_tokens=30), None))
+    requests.append(("greedy", chat_prompts[0], SamplingParams(max_tokens=80, ignore_eos=True), None))
+    requests.append(("greedy2", chat_prompts[1], SamplingParams(max_tokens=80, ignore_eos=True), None))
     # 4-token blocks and a cache smaller than all of them at once: a group is preempted.
-    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=40, block_size=4, max_num_tokens=64),
+    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=88, block_size=4, max_num_tokens=64),
                     sampler_seed=0, loaded=smollm2_loaded)
     preempted = record_group_preemptions(engine)
-    finals = run_beams(engine, requests, arrivals=[0, 1, 3, 0])
+    finals = run_beams(engine, requests, arrivals=[0, 1, 3, 0, 0])
     assert preempted, "no group was preempted"
     assert engine.stats().num_cow_copies_total > 0
     eos = smollm2_loaded.eos_token_ids
@@ -147,12 +148,13 @@ def test_random_llama_beams_equal_transformers(random_llama):
         ("b8-lp", prompts[3], GroupParams(beam_width=8, length_penalty=1.0, early_stopping=False), 6),
     ]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
-    requests.append(("greedy", prompts[1], SamplingParams(max_tokens=24), None))
-    config = EngineConfig(num_kv_blocks=36, block_size=4, max_num_tokens=48,
+    requests.append(("greedy", prompts[1], SamplingParams(max_tokens=60, ignore_eos=True), None))
+    requests.append(("greedy2", prompts[3], SamplingParams(max_tokens=60, ignore_eos=True), None))
+    config = EngineConfig(num_kv_blocks=80, block_size=4, max_num_tokens=48,
                           async_scheduling=name == "tiny-llama-mha")
     engine = Engine(spec, config, sampler_seed=0, loaded=loaded)
     preempted = record_group_preemptions(engine)
-    finals = run_beams(engine, requests, arrivals=[0, 2, 3, 5, 1])
+    finals = run_beams(engine, requests, arrivals=[0, 2, 3, 5, 0, 1])
     assert preempted, "no group was preempted"
     eos = loaded.eos_token_ids
     assert_beams_equal(finals, cases, lambda p, g, n: transformers_beams(hf_model, p, g, n, eos))

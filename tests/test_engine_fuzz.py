@@ -4,7 +4,8 @@ Each KV slot of the stub records the token prefix it was computed from, and ever
 scheduled context is checked before each step (tests/stub_model.py). Random arrivals
 (from prompt families that share prefixes), priorities, client aborts, a small KV cache
 (preemptions, both recompute and swap), prefix-cache hits, and requests with several
-outputs (sequence groups: n, best_of; shared blocks and copy-on-write); after every step the block
+outputs (sequence groups: n, best_of, beam search over the stub's candidates; shared
+blocks, copy-on-write, beams forking and dying); after every step the block
 accounting is checked against the live requests, and at the end every block is free, the
 queues are empty and every completed request's output equals the stub model's offline
 output. The events the fuzz is meant to cover are asserted to have happened.
@@ -16,10 +17,25 @@ import random
 
 import pytest
 
+from inflightllm.beam_search import BeamSearch
 from inflightllm.request import FinishReason, RequestStatus
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.sequence_group import GroupParams
-from tests.stub_model import reference_output, stub_engine
+from tests.stub_model import EOS, reference_output, stub_candidates, stub_engine
+
+
+def reference_beams(prompt: list[int], group: GroupParams, max_tokens: int) -> list[list[int]]:
+    """The final beams (stop token dropped) of a beam search over the stub's candidates,
+    run alone: what the engine must return whatever the schedule was."""
+    search = BeamSearch(group.beam_width, max_tokens, frozenset({EOS}), 1, group.length_penalty,
+                        group.early_stopping)
+    live = [list(prompt)]
+    while not search.done:
+        tops = [stub_candidates(tokens, search.candidates_per_beam) for tokens in live]
+        beams = search.step([tokens[len(prompt):] for tokens in live], [ids for ids, _ in tops],
+                            [values for _, values in tops])
+        live = [live[beam.parent] + [beam.token_id] for beam in beams]
+    return [hyp.token_ids[:-1] if hyp.token_ids[-1] == EOS else hyp.token_ids for hyp in search.finished]
 
 
 def check_invariants(engine) -> None:
@@ -62,6 +78,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
     expected: dict[str, list[int]] = {}
     received: dict[tuple[str, int], list[int]] = {}  # (request id, sequence index) -> tokens
     outputs_of: dict[str, int] = {}  # request id -> its number of outputs
+    beams_expected: dict[str, list[list[int]]] = {}
+    beams_received: dict[str, list[list[int]]] = {}
     finished: dict[str, FinishReason] = {}
     counter = 0
     for _ in range(steps):
@@ -75,6 +93,9 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
             if rng.random() < 0.3:  # several outputs: n, or best_of (held back: no streaming)
                 n = rng.choice([2, 3])
                 group = GroupParams(n=n) if streaming or rng.random() < 0.5 else GroupParams(n=n - 1, best_of=n)
+            elif rng.random() < 0.15:  # beam search
+                group = GroupParams(beam_width=rng.choice([2, 3]), length_penalty=rng.choice([0.0, 1.0, 2.0]),
+                                    early_stopping=rng.choice([True, False, "never"]))
             try:
                 engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
                                    priority=rng.randrange(3), streaming=streaming, group=group)
@@ -83,6 +104,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
                 continue
             expected[request_id] = reference_output(prompt, max_tokens)
             outputs_of[request_id] = group.n if group is not None else 1
+            if group is not None and group.beam_width > 1:
+                beams_expected[request_id] = reference_beams(prompt, group, max_tokens)
         if engine.requests and rng.random() < 0.08:
             engine.abort(rng.choice(sorted(engine.requests)).split("\x1f")[0])
         for output in engine.step():
@@ -91,6 +114,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
             assert output.request_id not in finished, "an output after the request finished"
             if output.finished:
                 finished[output.request_id] = output.finish_reason
+                if output.beam_token_ids is not None:
+                    beams_received[output.request_id] = output.beam_token_ids
         check_invariants(engine)
     for _ in range(5000):
         if not engine.has_unfinished():
@@ -99,6 +124,8 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
             received.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
             if output.finished:
                 finished[output.request_id] = output.finish_reason
+                if output.beam_token_ids is not None:
+                    beams_received[output.request_id] = output.beam_token_ids
         check_invariants(engine)
     assert not engine.has_unfinished() and not engine.groups
     stats = engine.stats()
@@ -107,10 +134,13 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
     assert set(finished) == set(expected)
     completed = [rid for rid, reason in finished.items() if reason is not FinishReason.CANCELLED]
     for request_id in completed:  # every output of a group is the stub's (greedy) output
+        if request_id in beams_expected:  # beams: the search run alone
+            assert beams_received[request_id] == beams_expected[request_id], request_id
+            continue
         for index in range(outputs_of[request_id]):
             assert received.get((request_id, index), []) == expected[request_id], (request_id, index)
     for request_id, reason in finished.items():  # a cancelled request got a prefix of its output
-        if reason is FinishReason.CANCELLED:
+        if reason is FinishReason.CANCELLED and request_id not in beams_expected:
             for index in range(outputs_of[request_id]):
                 got = received.get((request_id, index), [])
                 assert expected[request_id][: len(got)] == got
@@ -123,6 +153,7 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
         "completed": len(completed),
         "contexts_checked": engine.runner.contexts_checked,
         "groups": groups,
+        "beam_groups": sum(1 for request_id in completed if request_id in beams_expected),
         "cow_copies": stats.num_cow_copies_total,
     }
 
@@ -137,7 +168,7 @@ def test_fuzz_finds_no_leak_and_no_wrong_sharing(mode, prefix_caching):
     # The events the fuzz exists for happened, many times.
     assert totals["preemptions"] > 20 and totals["cancelled"] > 10 and totals["completed"] > 300
     assert totals["contexts_checked"] > 10_000
-    assert totals["groups"] > 100 and totals["cow_copies"] > 50
+    assert totals["groups"] > 100 and totals["cow_copies"] > 50 and totals["beam_groups"] > 20
     if mode == "swap":
         assert totals["swaps"] > 10
     if prefix_caching:

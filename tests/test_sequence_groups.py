@@ -208,7 +208,7 @@ def test_best_of_returns_the_n_highest_cumulative_logprobs(smollm2_loaded, chat_
 
 def test_n8_over_a_long_prompt_holds_the_prompt_once(smollm2_loaded):
     prompt = [(7 * i) % 4000 + 100 for i in range(1000)]
-    config = EngineConfig(num_kv_blocks=200, block_size=16, max_num_tokens=1024)
+    config = EngineConfig(num_kv_blocks=512, block_size=16, max_num_tokens=1024)
     engine = Engine(DEFAULT_MODEL, config, sampler_seed=0, loaded=smollm2_loaded)
     engine.add_request("long", prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=3), group=GroupParams(n=8))
     engine.step()  # 999 prompt tokens, then the fork
