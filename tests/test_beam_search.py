@@ -86,26 +86,36 @@ def chat_prompts(smollm2_tokenizer) -> list[list[int]]:
         [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)) for q in questions]
 
 
-def test_smollm2_beams_equal_transformers_staggered_with_a_preemption(smollm2_loaded, smollm2_hf, chat_prompts):
+def test_smollm2_beams_equal_transformers_staggered(smollm2_loaded, smollm2_hf, chat_prompts):
     cases = [
         ("beam2", chat_prompts[0], GroupParams(beam_width=2, length_penalty=1.0, early_stopping=False), 12),
         ("beam4", chat_prompts[1], GroupParams(beam_width=4, length_penalty=0.5, early_stopping=True), 10),
         ("beam8", chat_prompts[2], GroupParams(beam_width=8, length_penalty=1.5, early_stopping="never"), 8),
     ]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
-    requests.append(("greedy", chat_prompts[0], SamplingParams(max_tokens=80, ignore_eos=True), None))
-    requests.append(("greedy2", chat_prompts[1], SamplingParams(max_tokens=80, ignore_eos=True), None))
-    # 4-token blocks and a cache smaller than all of them at once: a group is preempted.
-    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=88, block_size=4, max_num_tokens=64),
+    requests.append(("greedy", chat_prompts[0], SamplingParams(max_tokens=30), None))
+    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=256, block_size=4, max_num_tokens=64),
                     sampler_seed=0, loaded=smollm2_loaded)
-    preempted = record_group_preemptions(engine)
-    finals = run_beams(engine, requests, arrivals=[0, 1, 3, 0, 0])
-    assert preempted, "no group was preempted"
+    finals = run_beams(engine, requests, arrivals=[0, 1, 3, 0])
     assert engine.stats().num_cow_copies_total > 0
     eos = smollm2_loaded.eos_token_ids
     assert_beams_equal(finals, cases, lambda p, g, n: transformers_beams(smollm2_hf, p, g, n, eos))
-    # Streaming: the final output has the beams best first.
+    # The final output has the beams best first.
     assert all(finals[rid].beam_scores == sorted(finals[rid].beam_scores, reverse=True) for rid, *_ in cases)
+
+
+def test_smollm2_beams_equal_transformers_through_a_preemption(smollm2_loaded, smollm2_hf, chat_prompts):
+    cases = [("beam4", chat_prompts[1], GroupParams(beam_width=4, length_penalty=1.0, early_stopping=False), 10)]
+    requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
+    # A long prompt arriving after the group fills the cache while the beams run.
+    requests.append(("greedy", chat_prompts[0] * 4, SamplingParams(max_tokens=16, ignore_eos=True), None))
+    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=48, block_size=4, max_num_tokens=64),
+                    sampler_seed=0, loaded=smollm2_loaded)
+    preempted = record_group_preemptions(engine)
+    finals = run_beams(engine, requests, arrivals=[0, 2])
+    assert preempted, "no group was preempted"
+    eos = smollm2_loaded.eos_token_ids
+    assert_beams_equal(finals, cases, lambda p, g, n: transformers_beams(smollm2_hf, p, g, n, eos))
 
 
 @pytest.fixture(scope="module", params=["tiny-llama3", "tiny-llama-mha"])
@@ -148,8 +158,8 @@ def test_random_llama_beams_equal_transformers(random_llama):
         ("b8-lp", prompts[3], GroupParams(beam_width=8, length_penalty=1.0, early_stopping=False), 6),
     ]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
-    requests.append(("greedy", prompts[1], SamplingParams(max_tokens=60, ignore_eos=True), None))
-    requests.append(("greedy2", prompts[3], SamplingParams(max_tokens=60, ignore_eos=True), None))
+    requests.append(("greedy", prompts[1] * 6, SamplingParams(max_tokens=20, ignore_eos=True), None))
+    requests.append(("greedy2", prompts[3] * 3, SamplingParams(max_tokens=20, ignore_eos=True), None))
     config = EngineConfig(num_kv_blocks=80, block_size=4, max_num_tokens=48,
                           async_scheduling=name == "tiny-llama-mha")
     engine = Engine(spec, config, sampler_seed=0, loaded=loaded)
