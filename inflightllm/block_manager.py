@@ -69,6 +69,11 @@ class BlockManager:
         # Counters (prefix-cache hit rate = hit tokens / queried tokens).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write: (source block, destination block) copies the next step must do
+        # before its forward, and how many were made in all.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.cow_copies_total = 0
+        self._num_shared = 0  # blocks with more than one reference (kept as references change)
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -84,6 +89,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold reusable cached content."""
         return self._num_free_cached
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one request (sequence groups, prefix-cache hits)."""
+        return self._num_shared
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -185,6 +195,23 @@ class BlockManager:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
         if not self.can_allocate(request, computed_blocks, num_new_tokens):
             raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+        self._take_computed(request, computed_blocks)
+        self._grow(request, num_new_tokens)
+
+    def allocate_together(self, plans: list[tuple[Request, list[int], int]]) -> None:
+        """Admit several requests (a sequence group) at once: every one's cached prefix is
+        taken before any grows, so no one's growth evicts a cached block another shares.
+        The caller checked that the blocks suffice."""
+        for request, computed_blocks, _ in plans:
+            if request.block_table:
+                raise RuntimeError(f"request {request.request_id} already holds blocks")
+            self._take_computed(request, computed_blocks)
+        for request, _, num_new_tokens in plans:
+            if self._num_new_blocks(request, [], num_new_tokens) > self.num_free_blocks:
+                raise RuntimeError(f"not enough free KV blocks for request {request.request_id}")
+            self._grow(request, num_new_tokens)
+
+    def _take_computed(self, request: Request, computed_blocks: list[int]) -> None:
         for block_id in computed_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -192,11 +219,12 @@ class BlockManager:
                 if block.block_hash is not None:
                     self._num_free_cached -= 1
             block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
         request.block_table = list(computed_blocks)
         request.num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += request.num_computed_tokens
-        self._grow(request, num_new_tokens)
 
     def allocate_fresh(self, request: Request, num_tokens: int) -> None:
         """Admit a request whose first `request.num_computed_tokens` tokens come back from
@@ -211,13 +239,67 @@ class BlockManager:
         self._grow(request, num_tokens)
         request.num_computed_tokens = computed
 
+    def _shared_in_write_range(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indexes into the block table of shared blocks the next `num_new_tokens` tokens
+        write into (at most the partial last block: full blocks are never written)."""
+        if not request.may_share:
+            return []
+        table = request.block_table
+        first = request.num_computed_tokens // self.block_size
+        end = min(len(table), self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens))
+        return [index for index in range(first, end) if self.blocks[table[index]].ref_count > 1]
+
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self._num_new_blocks(request, [], num_new_tokens) <= self.num_free_blocks
+        needed = self._num_new_blocks(request, [], num_new_tokens)
+        if request.may_share:
+            needed += len(self._shared_in_write_range(request, num_new_tokens))
+        return needed <= self.num_free_blocks
+
+    def share(self, source: Request, target: Request) -> None:
+        """Give `target` (holding no blocks) the block table of `source`: every block gets
+        one more reference; the first write into a shared block copies it (`append_slots`).
+        The prefix-cache bookkeeping of the shared full blocks is shared too."""
+        if target.block_table:
+            raise RuntimeError(f"request {target.request_id} already holds blocks")
+        for block_id in source.block_table:
+            block = self.blocks[block_id]
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
+        target.block_table = list(source.block_table)
+        target.block_hashes = list(source.block_hashes)
+        target.num_registered_blocks = source.num_registered_blocks
+        source.may_share = target.may_share = True
+
+    def _copy_on_write(self, request: Request, indexes: list[int]) -> None:
+        """Replace the shared blocks at `indexes` of the table by private copies."""
+        table = request.block_table
+        for index in indexes:
+            old = self.blocks[table[index]]
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._num_free_cached -= 1
+            self._evict_if_cached(block)
+            block.ref_count = 1
+            old.ref_count -= 1  # still >= 1: another sequence holds it
+            if old.ref_count == 1:
+                self._num_shared -= 1
+            table[index] = block_id
+            self.pending_copies.append((old.block_id, block_id))
+            self.cow_copies_total += 1
+            request.table_rewritten = True
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens of a running request. Returns False,
         allocating nothing, when there are not enough free blocks."""
         table = request.block_table
+        if request.may_share:  # a sequence of a group: its partial block may be shared
+            shared = self._shared_in_write_range(request, num_new_tokens)
+            if shared:
+                if not self.can_append(request, num_new_tokens):
+                    return False
+                self._copy_on_write(request, shared)
         if table and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return True  # fits in the blocks it holds (most decode steps): nothing to allocate
         if not self.can_append(request, num_new_tokens):
@@ -243,6 +325,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 1:
+                self._num_shared -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
                 if block.block_hash is None:

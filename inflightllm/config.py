@@ -47,6 +47,8 @@ class EngineConfig:
     fault_injection: bool = False  # tests only: requests with the seeds of inflightllm.faults fail on purpose
     runner: str = "model"  # model | dummy (no model compute: measures the response path alone)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-layer K/V scales: twice the tokens)
+    max_n: int = 8  # most outputs per request (n, best_of, num_return_sequences)
+    max_beam_width: int = 8  # widest beam search (beam_width)
 
     def to_parameters(self) -> dict[str, str]:
         params = {}

@@ -28,6 +28,7 @@ from inflightllm.models.loader import LoadedModel, load_model
 from inflightllm.request import FinishReason, Request, RequestStatus
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.scheduler import Scheduler, SchedulerOutput
+from inflightllm.sequence_group import GroupParams, SequenceGroup
 from inflightllm.step import CachedRequestData, NewRequestData, StepDescription
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,15 @@ class RequestOutput:
     time_per_output_token: float | None = None
     e2e_latency: float | None = None
     error: str | None = None  # the request failed alone: send this as its error response
+    # Several outputs per request (inflightllm.sequence_group). `finished` is the whole
+    # request's; `sequence_finished` this sequence's (n, best_of: each output streams alone).
+    sequence_index: int = 0
+    sequence_finished: bool | None = None  # None: the request has one sequence (= finished)
+    # Beam search: every beam's generated ids so far (running beams while streaming, the
+    # finished beams best first in the final output), their cumulative log probs and scores.
+    beam_token_ids: list[list[int]] | None = None
+    beam_cum_logprobs: list[float] | None = None
+    beam_scores: list[float] | None = None
 
 
 def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -81,7 +91,34 @@ def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         time_per_output_token=last.time_per_output_token,
         e2e_latency=last.e2e_latency,
         error=last.error,
+        sequence_index=last.sequence_index,
+        sequence_finished=last.sequence_finished,
     )
+
+
+def per_beam_outputs(output: RequestOutput) -> list[RequestOutput]:
+    """A beam search output as one output per beam, `sequence_index` = its rank, each with
+    the beam's whole generated ids (beams change from step to step: a response replaces
+    the beam's text, it does not extend it); only the last is the request's final. Other
+    outputs come back as they are."""
+    if output.beam_token_ids is None:
+        return [output]
+    beams = output.beam_token_ids
+    cums = output.beam_cum_logprobs or [0.0] * len(beams)
+    if not beams:  # cancelled before the first beam step
+        beams, cums = [list(output.new_token_ids)], [output.cum_logprob]
+    result = []
+    for index, (token_ids, cum) in enumerate(zip(beams, cums, strict=True)):
+        last = index == len(beams) - 1
+        result.append(RequestOutput(
+            request_id=output.request_id, new_token_ids=list(token_ids), context_ids=[], new_logprobs=[],
+            new_top_ids=[], new_top_logprobs=[], cum_logprob=cum, finished=output.finished and last,
+            finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+            num_output_tokens=len(token_ids), num_cached_tokens=output.num_cached_tokens,
+            time_to_first_token=output.time_to_first_token, time_per_output_token=output.time_per_output_token,
+            e2e_latency=output.e2e_latency, error=output.error, sequence_index=index,
+            sequence_finished=output.finished))
+    return result
 
 
 @dataclass
@@ -106,6 +143,8 @@ class EngineStats:
     num_failed_total: int = 0
     num_timed_out_total: int = 0
     num_rejected_total: int = 0
+    num_shared_blocks: int = 0  # blocks held by more than one sequence (sequence groups, prefix hits)
+    num_cow_copies_total: int = 0  # blocks copied on a shared block's first write
 
     @property
     def kv_usage(self) -> float:
@@ -223,9 +262,17 @@ class Engine:
         # the tokens of the step before it (emitted meanwhile). Other runners (tensor
         # parallel) get the masks in the step, which then waits for the step in flight.
         self._defer_masks = self.async_scheduling and bool(getattr(self.runner, "defers_guided_sampling", False))
+        # Sequence groups by client request id; group leaders still to fork; sequences whose
+        # runner state is stale (copy-on-write, beam reassignment): sent whole next step.
+        self.groups: dict[str, SequenceGroup] = {}
+        self._unforked: list[Request] = []
+        self._runner_reset: list[str] = []
+        self._num_beam_groups = 0
+        self.num_beam_outputs = 0  # beam search outputs made so far (the serving loop expands those)
 
     # ---- requests ---------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                         group: GroupParams | None = None, streaming: bool = False) -> None:
         """Raise InvalidRequestError naming the first problem. Reads only fixed settings,
         so it is safe to call from another thread than the one running steps."""
         if not prompt_token_ids:
@@ -250,6 +297,11 @@ class Engine:
                 check_spec(params.guided)  # parsing only (no tokenizer): cheap, any thread
             except GuidedSpecError as error:
                 raise InvalidRequestError(str(error)) from None
+            if group is not None and group.is_group:
+                raise InvalidRequestError(
+                    f"{params.guided.field}: a constrained request has one output; n, best_of and "
+                    "beam_width must be 1 with it (or drop the constraint)"
+                )
         priorities = rules.priority_range(self.config.priority_levels)
         if not priorities.contains(priority):
             raise InvalidRequestError(f"priority: {priority} is out of range; allowed: {priorities.allowed}")
@@ -264,6 +316,22 @@ class Engine:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache of {capacity} tokens"
             )
+        if group is not None:
+            config = self.config
+            group.validate(params, config.max_n, config.max_beam_width, config.max_batch_size, streaming)
+        if group is not None and group.is_group:
+            # A group is admitted and resumed whole. Running, its sequences share the prompt's
+            # blocks; resumed after a preemption they share only what the prefix cache still
+            # holds (nothing once evicted, or swapped): the unshared worst case must fit, or
+            # a preempted group could wait for room that never comes.
+            manager = self.block_manager
+            sequences = group.num_sequences
+            worst = sequences * manager.blocks_for_tokens(total)
+            if worst > manager.num_blocks:
+                raise InvalidRequestError(
+                    f"max_tokens: {sequences} sequences of prompt + max_tokens = {total} tokens need up "
+                    f"to {worst} KV blocks; the cache has {manager.num_blocks}"
+                )
 
     def add_request(
         self,
@@ -274,15 +342,19 @@ class Engine:
         streaming: bool = False,
         arrival_time: float | None = None,
         timeout_s: float | None = None,
+        group: GroupParams | None = None,
     ) -> Request:
         """Validate and enqueue a request; raises InvalidRequestError naming the problem
         (QueueFullError when `max_queue_size` requests are waiting already).
 
         `timeout_s`: how long it may wait in the queue before it is failed (None or 0:
-        the profile's `default_timeout_microseconds`; both 0: no limit)."""
-        if request_id in self.requests:
+        the profile's `default_timeout_microseconds`; both 0: no limit).
+
+        `group`: several outputs (n, best_of, beam search; inflightllm.sequence_group);
+        the returned request is then the group's first sequence."""
+        if request_id in self.requests or request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.validate_request(prompt_token_ids, params, priority)
+        self.validate_request(prompt_token_ids, params, priority, group, streaming)
         limit = self.config.max_queue_size
         if limit and self.num_waiting >= limit:
             self._counters.rejected += 1
@@ -299,18 +371,23 @@ class Engine:
             streaming=streaming,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
+        if group is not None and group.is_group:
+            request = self._start_group(request_id, request, group)
         if not timeout_s and self.config.default_timeout_microseconds:
             timeout_s = self.config.default_timeout_microseconds / 1e6
         if timeout_s:
             request.deadline = request.arrival_time + timeout_s
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (request.deadline, self._deadline_seq, request))
-        self.requests[request_id] = request
+        self.requests[request.request_id] = request
         if params.guided is not None:  # queued here until its grammar is compiled
             request.grammar_future = self.grammar_compiler().submit(params.guided)
             self._compiling.append(request)
         else:
             self.scheduler.add_request(request)
+            group_ = request.group
+            if group_ is not None and not group_.is_beam and request.num_prompt_tokens == 1:
+                self._fork_waiting(request)
         self._counters.prompt_tokens += len(prompt_token_ids)
         return request
 
@@ -351,6 +428,216 @@ class Engine:
             self.scheduler.add_request(request)
         self._compiling = still
 
+    # ---- sequence groups --------------------------------------------------------------
+    def _start_group(self, request_id: str, template: Request, group_params: GroupParams) -> Request:
+        """The group of a request with several outputs, and its first sequence (which
+        takes the template's place in the queue and its deadline)."""
+        from inflightllm.beam_search import BeamSearch
+
+        group = SequenceGroup(request_id, template.params, group_params)
+        if group.is_beam:
+            group.beam = BeamSearch(
+                beam_width=group_params.beam_width,
+                max_tokens=template.params.max_tokens,
+                stop_token_ids=template.stop_token_ids,
+                num_eos=max(1, len(template.eos_token_ids)),
+                length_penalty=group_params.length_penalty,
+                early_stopping=group_params.early_stopping,
+            )
+            self._num_beam_groups += 1
+        first = group.new_sequence(template)
+        if group.is_beam:
+            group.live = [first]
+        elif template.num_prompt_tokens > 1:
+            first.fork_at = template.num_prompt_tokens - 1  # then every sequence computes the last token
+            self._unforked.append(first)
+        self.groups[request_id] = group
+        return first
+
+    def _drop_group(self, group: SequenceGroup) -> None:
+        if self.groups.pop(group.request_id, None) is not None and group.is_beam:
+            self._num_beam_groups -= 1
+
+    def _fork_waiting(self, first: Request) -> None:
+        """A one-token prompt: nothing to share; the sequences wait to be admitted together."""
+        group = first.group
+        group.forked = True
+        for _ in range(1, group.num_sequences):
+            sequence = group.new_sequence(first)
+            self.requests[sequence.request_id] = sequence
+            self.scheduler.add_request(sequence)
+            sequence.arrival_seq = first.arrival_seq
+
+    def _fork(self, first: Request) -> None:
+        """Parallel sampling: the first sequence computed all the prompt but its last token;
+        the others share its blocks and start running beside it."""
+        group = first.group
+        first.fork_at = 0
+        group.forked = True
+        for _ in range(1, group.num_sequences):
+            sequence = group.new_sequence(first)
+            sequence.token_ids = list(first.token_ids)
+            self.block_manager.share(first, sequence)
+            sequence.num_computed_tokens = first.num_computed_tokens
+            sequence.num_cached_tokens = first.num_cached_tokens
+            self.requests[sequence.request_id] = sequence
+            self.scheduler.start_running(sequence)
+
+    def _fork_due(self) -> None:
+        """Fork the group leaders that computed their share of the prompt."""
+        still = []
+        for first in self._unforked:
+            if first.is_finished:
+                continue
+            if first.status is RequestStatus.RUNNING and first.num_computed_tokens >= first.fork_at:
+                self._fork(first)
+            else:
+                still.append(first)
+        self._unforked = still
+
+    def _beam_step(self, group: SequenceGroup, outputs: list[RequestOutput]) -> None:
+        """All live beams have their candidates: pick the next beams, reassign sequences."""
+        beam = group.beam
+        live = group.live
+        tokens = [request.output_token_ids for request in live]
+        top_ids = [group.candidates[request.request_id][0] for request in live]
+        top_values = [group.candidates[request.request_id][1] for request in live]
+        group.candidates.clear()
+        at_max_len = live[0].num_tokens + 1 >= self.max_model_len
+        next_beams = beam.step(tokens, top_ids, top_values, at_max_len)
+        if beam.done:
+            self._finish_beams(group, outputs)
+            return
+        group.forked = True
+        # A parent's first continuation keeps its sequence; more fork it (before its token
+        # is appended); sequences nobody continues are freed.
+        claimed: set[int] = set()
+        new_live: list[tuple[Request, int]] = []
+        for next_beam in next_beams:
+            parent = live[next_beam.parent]
+            if next_beam.parent not in claimed:
+                claimed.add(next_beam.parent)
+                new_live.append((parent, next_beam.token_id))
+                continue
+            sequence = group.new_sequence(parent)
+            sequence.token_ids = list(parent.token_ids)
+            sequence.logprobs = list(parent.logprobs)
+            self.block_manager.share(parent, sequence)
+            sequence.num_computed_tokens = parent.num_computed_tokens
+            sequence.num_cached_tokens = parent.num_cached_tokens
+            sequence.first_token_time = parent.first_token_time
+            self.requests[sequence.request_id] = sequence
+            if parent.status is RequestStatus.RUNNING:
+                self.scheduler.start_running(sequence)
+            else:
+                self.scheduler.add_request(sequence)
+            new_live.append((sequence, next_beam.token_id))
+        for index, request in enumerate(live):
+            if index not in claimed:
+                self._finish(request, FinishReason.NONE, quiet=True)
+        # Dead beams are forgotten (a long search forks thousands of sequences).
+        group.sequences = [request for request in group.sequences if not request.is_finished]
+        group.live = []
+        for (request, token), next_beam in zip(new_live, next_beams, strict=True):
+            request.token_ids.append(token)
+            request.logprobs.append(next_beam.cum_logprob)  # the beam's cumulative log prob so far
+            self._resend(request)
+            group.live.append(request)
+        if group.live[0].streaming:
+            outputs.append(self._beam_output(group, finished=False))
+
+    def _finish_beams(self, group: SequenceGroup, outputs: list[RequestOutput]) -> None:
+        for request in list(group.live):
+            self._finish(request, FinishReason.NONE, quiet=True)
+        group.live = []
+        outputs.append(self._beam_output(group, finished=True))
+
+    def _beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
+        first = group.sequences[0]
+        now = time.monotonic()
+        if finished:
+            hypotheses = group.beam.finished
+            beams = [self._strip_stop(first, hyp.token_ids) for hyp in hypotheses]
+            cum = [hyp.cum_logprob for hyp in hypotheses]
+            scores = [hyp.score for hyp in hypotheses]
+            reason = FinishReason.STOP if hypotheses and len(hypotheses[0].token_ids) != len(beams[0]) \
+                else FinishReason.LENGTH
+            self._drop_group(group)
+        else:
+            beams = [request.output_token_ids for request in group.live]
+            cum = [request.logprobs[-1] if request.logprobs else 0.0 for request in group.live]
+            scores = list(cum)
+            reason = FinishReason.NONE
+        best = beams[0] if beams else []
+        self.num_beam_outputs += 1
+        output = RequestOutput(
+            request_id=group.request_id,
+            new_token_ids=list(best),
+            context_ids=[],
+            new_logprobs=[],
+            new_top_ids=[],
+            new_top_logprobs=[],
+            cum_logprob=cum[0] if cum else 0.0,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_output_tokens=len(best),
+            num_cached_tokens=first.num_cached_tokens,
+            beam_token_ids=[list(b) for b in beams],
+            beam_cum_logprobs=cum,
+            beam_scores=scores,
+        )
+        if finished:
+            output.e2e_latency = now - first.arrival_time
+            if first.first_token_time is not None:
+                output.time_to_first_token = first.first_token_time - first.arrival_time
+        return output
+
+    @staticmethod
+    def _strip_stop(request: Request, token_ids: list[int]) -> list[int]:
+        """A finished beam's ids without its stop token (the engine never emits those)."""
+        if token_ids and token_ids[-1] in request.stop_token_ids:
+            return token_ids[:-1]
+        return list(token_ids)
+
+    def _resend(self, request: Request) -> None:
+        """The runner's copy of this sequence is stale (its table or tokens were rewritten):
+        it drops it as if preempted and gets it whole in the next step."""
+        if self._runner_blocks.pop(request.request_id, None) is not None:
+            self._runner_reset.append(request.request_id)
+
+    def _group_outputs(self, request: Request, output: RequestOutput) -> list[RequestOutput]:
+        """A sequence's output as its request's: the client's id, the sequence's index; the
+        request is finished when its last sequence is. best_of > n: held back until all
+        finished, then the n best by cumulative log probability, indexed 0 .. n - 1."""
+        group = request.group
+        output.request_id = group.request_id
+        output.sequence_index = request.sequence_index
+        output.sequence_finished = output.finished
+        output.finished = group.num_unfinished == 0
+        if output.finished:
+            self._drop_group(group)
+        params = group.group_params
+        if params.best_of is None or params.best_of == params.n:
+            return [output]
+        if output.sequence_finished:
+            output.cum_logprob = float(sum(request.logprobs[: output.num_output_tokens]))
+            output.new_token_ids = request.output_token_ids
+            output.new_logprobs = list(request.logprobs)
+            group.finished_outputs.append(output)
+        if not output.finished:
+            return []
+        if output.error is not None or output.finish_reason is FinishReason.CANCELLED:
+            return [output]
+        ranked = sorted(group.finished_outputs, key=lambda o: (-o.cum_logprob, o.sequence_index))[: params.n]
+        wants = group.params.logprobs or group.params.top_logprobs > 0
+        for rank, chosen in enumerate(ranked):
+            chosen.sequence_index = rank
+            chosen.finished = rank == len(ranked) - 1
+            if not wants:
+                chosen.new_logprobs = []
+        return ranked
+
     def count_rejected(self) -> None:
         """A request refused before `add_request` (the serving loop saw the queue full)."""
         self._counters.rejected += 1
@@ -377,20 +664,57 @@ class Engine:
             )
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
-        """End one request with an error of its own; its blocks are freed now."""
+        """End one request with an error of its own; its blocks are freed now. A sequence
+        of a group fails its whole request (one error response)."""
         request.error = message
         self._counters.failed += 1
+        group = request.group
+        if group is not None:
+            for other in group.sequences:
+                if other is not request and not other.is_finished:
+                    self._finish(other, FinishReason.ERROR, quiet=True)
+            group.live = []
         self._finish(request, FinishReason.ERROR)
-        outputs.append(self._output(request))
+        output = self._output(request)
+        if group is not None:
+            if group.is_beam:
+                self._drop_group(group)
+                output.request_id = group.request_id
+            else:
+                output = self._group_outputs(request, output)[0]
+        outputs.append(output)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its final output (finish_reason cancelled) comes with the next
         `step()`. Its KV blocks are freed now. Returns False if it is not in the engine."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            return self._abort_group(group)
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
         self._finish(request, FinishReason.CANCELLED)
         self._counters.pending.append(self._output(request))
+        return True
+
+    def _abort_group(self, group: SequenceGroup) -> bool:
+        live = [request for request in group.sequences if not request.is_finished]
+        if not live:
+            return False
+        if group.is_beam:  # one final output: the beams so far (finished ones, else the live ones)
+            for request in live:
+                self._finish(request, FinishReason.CANCELLED, quiet=True)
+            output = self._beam_output(group, finished=bool(group.beam.finished))
+            if not group.beam.finished:
+                self._drop_group(group)
+                output.finished = True
+            output.finish_reason = FinishReason.CANCELLED
+            group.live = []
+            self._counters.pending.append(output)
+            return True
+        for request in live:  # one at a time: only the last output finishes the request
+            self._finish(request, FinishReason.CANCELLED)
+            self._counters.pending.extend(self._group_outputs(request, self._output(request)))
         return True
 
     def has_unfinished(self) -> bool:
@@ -407,10 +731,13 @@ class Engine:
             self._expire_waiting(outputs, time.monotonic())
         if self._compiling:
             self._admit_compiled(outputs)
+        if self._unforked:
+            self._fork_due()
         if not self.async_scheduling:
             scheduled = self.scheduler.schedule()
             self._counters.tokens_last_step = scheduled.num_batched_tokens
             if scheduled.is_empty and not scheduled.swapped_out:
+                self._forget_preempted(scheduled)
                 return outputs
             try:
                 sampled = self.runner.execute(self._describe(scheduled))
@@ -424,6 +751,8 @@ class Engine:
                 request.num_computed_tokens += item.num_new_tokens
                 if request.num_computed_tokens >= (request.num_registered_blocks + 1) * size:
                     self.block_manager.cache_full_blocks(request)  # a block may have filled
+            if self._unforked:
+                self._fork_due()
             self._emit(sampled, outputs)
             return outputs
         if self._inflight is not None and self._needs_history():
@@ -434,7 +763,9 @@ class Engine:
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
         deferred: list[Request] = []  # constrained rows whose masks come after the launch
-        if not (scheduled.is_empty and not scheduled.swapped_out):
+        if scheduled.is_empty and not scheduled.swapped_out:
+            self._forget_preempted(scheduled)
+        else:
             try:
                 description = self._describe(scheduled)
                 described = time.perf_counter()
@@ -459,12 +790,21 @@ class Engine:
                                 or request.num_tokens + request.num_inflight >= self.max_model_len):
                             request.final_pending = True  # finishes by length: nothing more to schedule
                 launched = (handle, [item.request for item in scheduled.scheduled])
+                if self._unforked:
+                    self._fork_due()
         if self._inflight is not None:
             self._resolve(outputs)
         if launched is not None and deferred:
             self._sample_guided(launched[0], deferred, outputs)
         self._inflight = launched
         return outputs
+
+    def _forget_preempted(self, scheduled: SchedulerOutput) -> None:
+        """A step with nothing to run still preempted (a whole group can preempt itself):
+        the runner hears of it with the next step, before it gets them whole again."""
+        for request in scheduled.preempted:
+            if self._runner_blocks.pop(request.request_id, None) is not None:
+                self._runner_reset.append(request.request_id)
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
         """A step that raised fails its own requests only; the engine goes on."""
@@ -478,6 +818,9 @@ class Engine:
                 self._fail(item.request, message, outputs)
 
     def _needs_history(self) -> bool:
+        # Beam search picks the next tokens on the host: nothing runs ahead of it.
+        if self._num_beam_groups > 0:
+            return True
         if self._defer_masks:
             return any(request.needs_history for request in self.scheduler.running)
         return any(request.needs_history or request.guided is not None for request in self.scheduler.running)
@@ -525,12 +868,21 @@ class Engine:
         none = FinishReason.NONE
         check_stop, output_of = self._check_stop, self._output
         generated = 0
+        beam_groups = None
         for row, request_id in enumerate(sampled.request_ids):
             request = get(request_id)
             if request is None:
                 continue  # finished or aborted while its step was in flight
             if request.num_inflight:
                 request.num_inflight -= 1
+            if request.group is not None and request.group.is_beam:  # candidates, not a token
+                request.group.candidates[request_id] = (top_ids[row], top_logprobs[row])
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                beam_groups = beam_groups or []
+                beam_groups.append(request.group)
+                generated += 1
+                continue
             request.token_ids.append(token_ids[row])
             request.logprobs.append(logprobs[row] or 0.0)
             if request.params.top_logprobs:  # read by `_output` only then: no list a token kept otherwise
@@ -562,8 +914,15 @@ class Engine:
                     self._fail(request, f"stop handling failed: {type(error).__name__}: {error}", outputs)
                 continue
             if output is not None:
-                outputs.append(output)
+                if request.group is None:
+                    outputs.append(output)
+                else:
+                    outputs.extend(self._group_outputs(request, output))
         self._counters.generation_tokens += generated
+        if beam_groups:
+            for group in dict.fromkeys(beam_groups):
+                if group.live and all(r.request_id in group.candidates for r in group.live):
+                    self._beam_step(group, outputs)
 
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:
         """Move a constrained request's grammar over its new token. ERROR: the grammar
@@ -619,6 +978,12 @@ class Engine:
         as deltas (new block ids, computed count); preempted and finished ids once."""
         step = StepDescription(finished_request_ids=self._runner_finished)
         self._runner_finished = []
+        if self._runner_reset:
+            step.preempted_request_ids.extend(self._runner_reset)
+            self._runner_reset = []
+        manager = self.block_manager
+        if manager.pending_copies:
+            step.block_copies, manager.pending_copies = manager.pending_copies, []
         step.swap_out = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_out]
         step.swap_in = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_in]
         for request in scheduled.preempted:
@@ -633,6 +998,11 @@ class Engine:
             request_id = request.request_id
             table = request.block_table
             sent = runner_blocks.get(request_id)
+            if request.table_rewritten:  # copy-on-write replaced a block: the runner gets it whole
+                request.table_rewritten = False
+                if sent is not None:
+                    step.preempted_request_ids.append(request_id)
+                    sent = None
             if sent is None:
                 step.new_requests.append(
                     NewRequestData(
@@ -704,10 +1074,14 @@ class Engine:
                     break
         return longest
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _finish(self, request: Request, reason: FinishReason, quiet: bool = False) -> None:
+        """`quiet`: a sequence of a group that ends without an output of its own (a beam
+        nobody continues, the siblings of a failed sequence)."""
         if request.grammar_future is not None:  # cancelled or timed out while its grammar compiled
             request.grammar_future = None
             self._compiling.remove(request)
+        if request.group is not None and not request.is_finished:
+            request.group.num_unfinished -= 1
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.monotonic()
@@ -786,4 +1160,6 @@ class Engine:
             num_failed_total=self._counters.failed,
             num_timed_out_total=self._counters.timed_out,
             num_rejected_total=self._counters.rejected,
+            num_shared_blocks=manager.num_shared_blocks,
+            num_cow_copies_total=manager.cow_copies_total,
         )

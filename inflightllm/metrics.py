@@ -91,6 +91,12 @@ class EngineMetrics:
                        for cause in ("error", "timeout", "rejected")}
         self.swapped_out = counter("inflightllm_swapped_out_total",
                                    "Preemptions that moved a request's blocks to host memory").Metric(labels=labels)
+        self.shared_blocks = gauge("inflightllm_kv_cache_shared_blocks",
+                                   "KV-cache blocks held by more than one sequence (the outputs of one request, "
+                                   "prefix-cache hits)").Metric(labels=labels)
+        self.cow_copies = counter("inflightllm_kv_cache_cow_copies_total",
+                                  "Shared KV-cache blocks copied on a sequence's first write (copy-on-write)").Metric(
+            labels=labels)
         self.ttft = histogram("inflightllm_time_to_first_token_seconds", "Time to first token").Metric(
             labels=labels, buckets=TTFT_BUCKETS)
         self.tpot = histogram("inflightllm_time_per_output_token_seconds",
@@ -111,6 +117,7 @@ class EngineMetrics:
         self.requests["running"].set(stats.num_running)
         self.requests["waiting"].set(stats.num_waiting)
         self.step_tokens.set(stats.num_tokens_last_step)
+        self.shared_blocks.set(stats.num_shared_blocks)
         last = self._last
         for metric, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
@@ -120,6 +127,7 @@ class EngineMetrics:
             (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total if last else 0),
             (self.steps, stats.num_steps_total, last.num_steps_total if last else 0),
             (self.swapped_out, stats.num_swapped_out_total, last.num_swapped_out_total if last else 0),
+            (self.cow_copies, stats.num_cow_copies_total, last.num_cow_copies_total if last else 0),
             (self.failed["timeout"], stats.num_timed_out_total, last.num_timed_out_total if last else 0),
             (self.failed["error"], stats.num_failed_total - stats.num_timed_out_total,
              last.num_failed_total - last.num_timed_out_total if last else 0),

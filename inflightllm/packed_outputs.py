@@ -42,6 +42,7 @@ HEADER = (
     "num_top_rows",  # rows of top_logprob_ids / top_logprobs
     "top_k",  # their columns
     "sender",  # the engine's piece ledger id (0: none), where postprocessing counts answered pieces (inflightllm/piece_ledger.py)
+    "sequence_index",  # which output of the request (n > 1, beams: docs/SEQUENCE-GROUPS.md); 0 otherwise
 )
 HEADER_LEN = len(HEADER)
 
@@ -61,6 +62,7 @@ def pack(
     top_k: int,
     num_top_rows: int,
     sender: int = 0,
+    sequence_index: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(engine_out_i32, engine_out_f32), each [1, n] (leading batch dimension 1).
     `num_top_rows`: the generated tokens of this response (the top log prob tensors are
@@ -69,7 +71,7 @@ def pack(
     if top_k and len(top_logprob_ids) != rows:
         raise ValueError(f"top log probs: {len(top_logprob_ids)} rows for {rows} generated tokens")
     ints = [finish_reason, num_input_tokens, num_output_tokens, num_cached_tokens,
-            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k, sender]
+            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k, sender, sequence_index]
     ints += output_ids
     ints += context_ids
     floats = [cum_log_probs]
@@ -124,6 +126,7 @@ def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         "num_input_tokens": np.array([[header["num_input_tokens"]]], np.int32),
         "num_output_tokens": np.array([[header["num_output_tokens"]]], np.int32),
         "num_cached_tokens": np.array([[header["num_cached_tokens"]]], np.int32),
+        "sequence_index": np.array([[header["sequence_index"]]], np.int32),
         "cum_log_probs": floats[:1].reshape(1, 1),
         "output_log_probs": floats[1:1 + n_lp].reshape(1, n_lp),
         "top_logprob_ids": ints[at:].reshape(1, rows, k),

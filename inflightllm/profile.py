@@ -429,6 +429,9 @@ def _read_engine(
         "kv_cache_dtype": reader.choice(
             reader.string(get("kv_cache_dtype"), "engine.kv_cache_dtype"), "engine.kv_cache_dtype", KV_CACHE_DTYPES
         ),
+        # Several outputs per request (docs/SEQUENCE-GROUPS.md): requests beyond these are refused.
+        "max_n": reader.integer(get("max_n"), "engine.max_n", 1, 64),
+        "max_beam_width": reader.integer(get("max_beam_width"), "engine.max_beam_width", 1, 8),
     }
     if values["runner"] == "dummy" and (kind != "cpu" or tensor_parallel_size != 1):
         reader.fail(

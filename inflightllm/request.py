@@ -84,6 +84,12 @@ class Request:
     # (inflightllm.guided.GuidedState), advanced by the engine with each appended token.
     grammar_future: object | None = None
     guided: object | None = None
+    # Sequence groups (n, best_of, beam search: inflightllm.sequence_group).
+    group: object | None = None  # its SequenceGroup, when the request has several outputs
+    sequence_index: int = 0  # its index in the group
+    fork_at: int = 0  # > 0: compute only this many tokens, then the group forks (the engine)
+    may_share: bool = False  # its block table was shared: writes check for copy-on-write
+    table_rewritten: bool = False  # copy-on-write replaced a block: the runner gets the table again
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

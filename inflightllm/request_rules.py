@@ -41,6 +41,7 @@ SAMPLING_RANGES: dict[str, Range] = {
 TOP_LOGPROBS = Range(0, MAX_TOP_LOGPROBS, f"0 to {MAX_TOP_LOGPROBS}")
 TOP_K = Range(0, math.inf, "0 (off) or more")
 SEED = Range(0, 2**63 - 1, "0 to 2**63 - 1")
+LENGTH_PENALTY = Range(-10.0, 10.0, "-10 to 10")  # beam search (docs/SEQUENCE-GROUPS.md)
 TIMEOUT_MS = Range(0, 2**31 - 1, "0 (the profile's default_timeout_microseconds) or more milliseconds")
 
 

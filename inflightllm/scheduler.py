@@ -25,6 +25,13 @@ runner's attention backend does the copies, before the step's forward) and copie
 back into fresh blocks on readmission, falling back to recompute when the host pool is
 full.
 
+Sequence groups (several outputs of one request, inflightllm.sequence_group) move as a
+whole: a group's first sequence is admitted only with room in the batch for all its
+sequences; preempting one sequence preempts the group's running sequences; the group's
+waiting sequences are admitted together or not at all, their blocks counted once where
+the prefix cache shares them. A first sequence with `fork_at` computes only that many
+tokens (the engine then forks the group).
+
 Bookkeeping is constant-cost per request: the waiting queue is one insertion-ordered
 map per priority level (push, push-to-head, remove by id and peek are O(1)), and
 requests are compared by identity.
@@ -185,6 +192,18 @@ class Scheduler:
         request.num_swapped_blocks = 0
 
     # ---- scheduling ------------------------------------------------------------------
+    def _preempt_group(self, victim: Request, output: SchedulerOutput) -> int:
+        """Preempt the victim, and the other running sequences of its group; returns the
+        step tokens given back by unscheduling them."""
+        members = [victim]
+        if victim.group is not None:
+            members += [r for r in victim.group.sequences if r is not victim and r.status is RequestStatus.RUNNING]
+        tokens = 0
+        for member in members:
+            tokens += self._unschedule(output, member)
+            self._preempt(member, output)
+        return tokens
+
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         if self.kv_usage_at_first_preemption is None:
             manager = self.block_manager
@@ -255,15 +274,20 @@ class Scheduler:
             if request.final_pending:
                 continue  # its token in flight finishes it (asynchronous scheduling)
             num_new = len(request.token_ids) + request.num_inflight - request.num_computed_tokens
+            if request.fork_at:  # a group's first sequence stops before the prompt's last token
+                num_new = min(num_new, request.fork_at - request.num_computed_tokens)
+                if num_new <= 0:
+                    continue
+            elif num_new <= 0:
+                continue  # a beam waiting for the other beams of its group
             if num_new > budget:
                 num_new = budget
             while not append_slots(request, num_new):
                 victim = self._victim(self.running)
                 if victim.priority > request.priority:
                     victim = request  # never preempt a higher priority for a lower one
-                budget += self._unschedule(output, victim)
-                self._preempt(victim, output)
-                if victim is request:
+                budget += self._preempt_group(victim, output)
+                if request.status is not running:
                     break
             else:
                 scheduled.append(ScheduledRequest(request, num_new))
@@ -278,7 +302,7 @@ class Scheduler:
 
         while self.waiting and budget > 0:
             head = self.waiting.peek()
-            if len(self.running) < self.config.max_batch_size:
+            if len(self.running) + self._batch_slots(head) <= self.config.max_batch_size:
                 num_new = self._try_admit(head, budget, output)
                 if num_new is not None:
                     budget -= num_new
@@ -289,21 +313,33 @@ class Scheduler:
             if not lower:
                 break
             victim = self._victim(lower)
-            budget += self._unschedule(output, victim)
-            self._preempt(victim, output)
+            budget += self._preempt_group(victim, output)
         return output
+
+    @staticmethod
+    def _batch_slots(request: Request) -> int:
+        """Places in the running set its admission takes: its group's sequences to come."""
+        group = request.group
+        if group is None:
+            return 1
+        if not group.forked and not group.live[1:]:
+            return group.num_sequences
+        return sum(1 for r in group.sequences if r.status is RequestStatus.WAITING)
 
     def _try_admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Admit the head of the queue with up to `budget` new tokens; None if it does not fit."""
         manager = self.block_manager
+        group = request.group
+        if group is not None and (group.forked or len(group.live) > 1):
+            return self._try_admit_group(group, budget, output)
         if request.num_swapped_blocks:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._admission_target(request) - request.num_computed_tokens, budget)
             if manager.blocks_for_tokens(request.num_computed_tokens + num_new) > manager.num_free_blocks:
                 return None
             self._admit_swapped(request, num_new, output)
         else:
             computed = manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - len(computed) * manager.block_size, budget)
+            num_new = min(self._admission_target(request) - len(computed) * manager.block_size, budget)
             if not manager.can_allocate(request, computed, num_new):
                 return None
             self._admit(request, computed, num_new)
@@ -311,21 +347,66 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new))
         return num_new
 
+    @staticmethod
+    def _admission_target(request: Request) -> int:
+        """Tokens to compute before it samples (a group's first sequence: until it forks)."""
+        return request.fork_at if request.fork_at else request.num_tokens
+
+    def _try_admit_group(self, group, budget: int, output: SchedulerOutput) -> int | None:
+        """Admit every waiting sequence of a group or none: their blocks must fit together,
+        a free cached block that several of them share counted once."""
+        manager = self.block_manager
+        members = [r for r in group.sequences if r.status is RequestStatus.WAITING and r in self.waiting]
+        plans = []
+        needed = 0
+        reclaimed: set[int] = set()
+        left = budget
+        for member in members:
+            if member.num_swapped_blocks:
+                num_new = min(member.num_tokens - member.num_computed_tokens, left)
+                needed += manager.blocks_for_tokens(member.num_computed_tokens + num_new)
+                plans.append((member, None, num_new))
+            else:
+                computed = manager.get_computed_blocks(member)
+                num_new = min(member.num_tokens - len(computed) * manager.block_size, left)
+                needed += manager.blocks_for_tokens(len(computed) * manager.block_size + num_new) - len(computed)
+                reclaimed.update(b for b in computed if manager.blocks[b].ref_count == 0)
+                plans.append((member, computed, num_new))
+            left -= num_new
+        if needed + len(reclaimed) > manager.num_free_blocks:
+            return None
+        # Cached prefixes first, all at once (no member's growth may evict another's hit).
+        together = [(member, computed, num_new) for member, computed, num_new in plans if computed is not None]
+        for member, _, _ in together:
+            self.waiting.remove(member)
+        manager.allocate_together(together)
+        for member, computed, num_new in plans:
+            if computed is None:
+                self._admit_swapped(member, num_new, output)
+            else:
+                if not member.first_admitted:
+                    member.num_cached_tokens = member.num_computed_tokens
+                self.start_running(member)
+            if num_new > 0:
+                output.scheduled.append(ScheduledRequest(member, num_new))
+        return budget - left
+
     def _admit_swapped(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
         self.waiting.remove(request)
         self.block_manager.allocate_fresh(request, request.num_computed_tokens + num_new)
         output.swapped_in.append((request, list(request.block_table[: request.num_swapped_blocks])))
         self._release_swap(request)
-        self._start_running(request)
+        self.start_running(request)
 
     def _admit(self, request: Request, computed: list[int], num_new: int) -> None:
         self.waiting.remove(request)
         self.block_manager.allocate(request, computed, num_new)
         if not request.first_admitted:
             request.num_cached_tokens = request.num_computed_tokens
-        self._start_running(request)
+        self.start_running(request)
 
-    def _start_running(self, request: Request) -> None:
+    def start_running(self, request: Request) -> None:
+        """Into the running set (admitted now, or forked from a running sequence of its group)."""
         request.first_admitted = True
         request.status = RequestStatus.RUNNING
         request.admitted_seq = self._next_admission

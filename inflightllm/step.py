@@ -60,6 +60,9 @@ class StepDescription:
     # bit set = allowed). The runner applies them to those rows' logits in one call.
     guided_request_ids: list[str] = field(default_factory=list)
     guided_bitmask: object | None = None
+    # Copy-on-write (sequence groups): (source block, destination block) pairs whose K/V
+    # are copied after the swap-outs and before the swap-ins and the forward.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

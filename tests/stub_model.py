@@ -28,6 +28,17 @@ def next_token(tokens: list[int]) -> int:
     return (sum((i + 1) * t for i, t in enumerate(tokens[-8:])) + 7 * len(tokens)) % VOCAB
 
 
+def stub_candidates(tokens: list[int], count: int) -> tuple[list[int], list[float]]:
+    """The stub's top `count` next tokens and their log probs, best first (what a runner
+    returns as top log probs; beam search reads them): distinct ids around `next_token`,
+    log probs 0.3 apart plus a little that depends on the prefix (never out of order)."""
+    base = next_token(tokens)
+    ids = [(base + 7 * rank) % VOCAB for rank in range(count)]
+    wobble = sum(tokens[-8:]) + len(tokens)
+    values = [-0.1 - 0.3 * rank - ((wobble * (rank + 1)) % 13) * 0.01 for rank in range(count)]
+    return ids, values
+
+
 def reference_output(prompt: list[int], max_tokens: int, model=next_token, eos: int | None = EOS) -> list[int]:
     """What the engine must produce for a greedy request (EOS ends it and is dropped)."""
     tokens = list(prompt)
@@ -65,6 +76,9 @@ class StubRunner:
         self.steps.append(step)
         for request_id, block_ids in step.swap_out:
             self.swapped[request_id] = [self.slots[s] for s in self._block_slots(block_ids)]
+        for source, destination in step.block_copies:  # copy-on-write
+            for offset in range(self.block_size):
+                self.slots[destination * self.block_size + offset] = self.slots[source * self.block_size + offset]
         for request_id, block_ids in step.swap_in:
             for slot, record in zip(self._block_slots(block_ids), self.swapped.pop(request_id), strict=True):
                 self.slots[slot] = record
@@ -93,13 +107,15 @@ class StubRunner:
             for position in range(start, end):
                 self.slots[self._slot(state.block_table, position)] = tuple(tokens[: position + 1])
             if end == len(tokens):
+                count = state.params.top_logprobs
+                top_ids, top_values = stub_candidates(tokens, count) if count else ([], [])
                 token = self.model(tokens)
                 tokens.append(token)
                 result.request_ids.append(request_id)
                 result.token_ids.append(token)
                 result.logprobs.append(None)
-                result.top_ids.append([])
-                result.top_logprobs.append([])
+                result.top_ids.append(top_ids)
+                result.top_logprobs.append(top_values)
         return result
 
 

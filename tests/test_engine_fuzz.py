@@ -3,7 +3,9 @@
 Each KV slot of the stub records the token prefix it was computed from, and every
 scheduled context is checked before each step (tests/stub_model.py). Random arrivals
 (from prompt families that share prefixes), priorities, client aborts, a small KV cache
-(preemptions, both recompute and swap) and prefix-cache hits; after every step the block
+(preemptions, both recompute and swap), prefix-cache hits, and requests with several
+outputs (sequence groups: n, best_of, beam search over the stub's candidates; shared
+blocks, copy-on-write, beams forking and dying); after every step the block
 accounting is checked against the live requests, and at the end every block is free, the
 queues are empty and every completed request's output equals the stub model's offline
 output. The events the fuzz is meant to cover are asserted to have happened.
@@ -15,9 +17,25 @@ import random
 
 import pytest
 
+from inflightllm.beam_search import BeamSearch
 from inflightllm.request import FinishReason, RequestStatus
-from inflightllm.sampling_params import SamplingParams
-from tests.stub_model import reference_output, stub_engine
+from inflightllm.sampling_params import InvalidRequestError, SamplingParams
+from inflightllm.sequence_group import GroupParams
+from tests.stub_model import EOS, reference_output, stub_candidates, stub_engine
+
+
+def reference_beams(prompt: list[int], group: GroupParams, max_tokens: int) -> list[list[int]]:
+    """The final beams (stop token dropped) of a beam search over the stub's candidates,
+    run alone: what the engine must return whatever the schedule was."""
+    search = BeamSearch(group.beam_width, max_tokens, frozenset({EOS}), 1, group.length_penalty,
+                        group.early_stopping)
+    live = [list(prompt)]
+    while not search.done:
+        tops = [stub_candidates(tokens, search.candidates_per_beam) for tokens in live]
+        beams = search.step([tokens[len(prompt):] for tokens in live], [ids for ids, _ in tops],
+                            [values for _, values in tops])
+        live = [live[beam.parent] + [beam.token_id] for beam in beams]
+    return [hyp.token_ids[:-1] if hyp.token_ids[-1] == EOS else hyp.token_ids for hyp in search.finished]
 
 
 def check_invariants(engine) -> None:
@@ -36,6 +54,7 @@ def check_invariants(engine) -> None:
     for block in manager.blocks:
         assert block.ref_count == counts[block.block_id], f"block {block.block_id}"
         assert (block.block_id in manager.free_queue) == (block.ref_count == 0)
+    assert manager.num_shared_blocks == sum(1 for block in manager.blocks if block.ref_count > 1)
     for key, block_id in manager.cached_blocks.items():
         assert manager.blocks[block_id].block_hash == key
     assert manager.num_cached_blocks == sum(
@@ -43,6 +62,8 @@ def check_invariants(engine) -> None:
     swapped = sum(request.num_swapped_blocks for request in scheduler.waiting)
     assert scheduler.num_free_swap_blocks == scheduler.swap_space_blocks - swapped
     assert set(engine.requests) == {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+    for group in engine.groups.values():  # a group lives while one of its sequences does
+        assert any(r.request_id in engine.requests for r in group.sequences)
     assert engine.runner.violations == []
 
 
@@ -55,7 +76,10 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
                          enable_kv_cache_reuse=prefix_caching, priority_levels=3)
     families = [[rng.randrange(1, 97) for _ in range(rng.randrange(2, 10))] for _ in range(4)]
     expected: dict[str, list[int]] = {}
-    received: dict[str, list[int]] = {}
+    received: dict[tuple[str, int], list[int]] = {}  # (request id, sequence index) -> tokens
+    outputs_of: dict[str, int] = {}  # request id -> its number of outputs
+    beams_expected: dict[str, list[list[int]]] = {}
+    beams_received: dict[str, list[list[int]]] = {}
     finished: dict[str, FinishReason] = {}
     counter = 0
     for _ in range(steps):
@@ -64,36 +88,63 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
             request_id = f"r{counter}"
             prompt = rng.choice(families) + [rng.randrange(1, 97) for _ in range(rng.randrange(0, 6))]
             max_tokens = rng.randrange(1, 12)
-            engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
-                               priority=rng.randrange(3), streaming=rng.random() < 0.5)
+            streaming = rng.random() < 0.5
+            group = None
+            if rng.random() < 0.3:  # several outputs: n, or best_of (held back: no streaming)
+                n = rng.choice([2, 3])
+                group = GroupParams(n=n) if streaming or rng.random() < 0.5 else GroupParams(n=n - 1, best_of=n)
+            elif rng.random() < 0.15:  # beam search
+                group = GroupParams(beam_width=rng.choice([2, 3]), length_penalty=rng.choice([0.0, 1.0, 2.0]),
+                                    early_stopping=rng.choice([True, False, "never"]))
+            try:
+                engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
+                                   priority=rng.randrange(3), streaming=streaming, group=group)
+            except InvalidRequestError as error:
+                assert "KV blocks" in str(error) and group is not None  # the group cannot fit this cache
+                continue
             expected[request_id] = reference_output(prompt, max_tokens)
+            outputs_of[request_id] = group.n if group is not None else 1
+            if group is not None and group.beam_width > 1:
+                beams_expected[request_id] = reference_beams(prompt, group, max_tokens)
         if engine.requests and rng.random() < 0.08:
-            engine.abort(rng.choice(sorted(engine.requests)))
+            engine.abort(rng.choice(sorted(engine.requests)).split("\x1f")[0])
         for output in engine.step():
-            received.setdefault(output.request_id, []).extend(output.new_token_ids)
+            received.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
             assert output.error is None, output.error
+            assert output.request_id not in finished, "an output after the request finished"
             if output.finished:
                 finished[output.request_id] = output.finish_reason
+                if output.beam_token_ids is not None:
+                    beams_received[output.request_id] = output.beam_token_ids
         check_invariants(engine)
     for _ in range(5000):
         if not engine.has_unfinished():
             break
         for output in engine.step():
-            received.setdefault(output.request_id, []).extend(output.new_token_ids)
+            received.setdefault((output.request_id, output.sequence_index), []).extend(output.new_token_ids)
             if output.finished:
                 finished[output.request_id] = output.finish_reason
+                if output.beam_token_ids is not None:
+                    beams_received[output.request_id] = output.beam_token_ids
         check_invariants(engine)
-    assert not engine.has_unfinished()
+    assert not engine.has_unfinished() and not engine.groups
     stats = engine.stats()
     assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert set(finished) == set(expected)
     completed = [rid for rid, reason in finished.items() if reason is not FinishReason.CANCELLED]
-    for request_id in completed:
-        assert received.get(request_id, []) == expected[request_id], request_id
+    for request_id in completed:  # every output of a group is the stub's (greedy) output
+        if request_id in beams_expected:  # beams: the search run alone
+            assert beams_received[request_id] == beams_expected[request_id], request_id
+            continue
+        for index in range(outputs_of[request_id]):
+            assert received.get((request_id, index), []) == expected[request_id], (request_id, index)
     for request_id, reason in finished.items():  # a cancelled request got a prefix of its output
-        if reason is FinishReason.CANCELLED:
-            assert expected[request_id][: len(received.get(request_id, []))] == received.get(request_id, [])
+        if reason is FinishReason.CANCELLED and request_id not in beams_expected:
+            for index in range(outputs_of[request_id]):
+                got = received.get((request_id, index), [])
+                assert expected[request_id][: len(got)] == got
+    groups = sum(1 for count in outputs_of.values() if count > 1)
     return {
         "preemptions": stats.num_preemptions_total,
         "swaps": stats.num_swapped_out_total,
@@ -101,6 +152,9 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
         "cancelled": len(finished) - len(completed),
         "completed": len(completed),
         "contexts_checked": engine.runner.contexts_checked,
+        "groups": groups,
+        "beam_groups": sum(1 for request_id in completed if request_id in beams_expected),
+        "cow_copies": stats.num_cow_copies_total,
     }
 
 
@@ -114,6 +168,7 @@ def test_fuzz_finds_no_leak_and_no_wrong_sharing(mode, prefix_caching):
     # The events the fuzz exists for happened, many times.
     assert totals["preemptions"] > 20 and totals["cancelled"] > 10 and totals["completed"] > 300
     assert totals["contexts_checked"] > 10_000
+    assert totals["groups"] > 100 and totals["cow_copies"] > 50 and totals["beam_groups"] > 20
     if mode == "swap":
         assert totals["swaps"] > 10
     if prefix_caching:

@@ -46,6 +46,7 @@ def test_a_streamed_piece_without_log_probs():
         "output_log_probs": (torch.float32, [1, 0], [[]]),
         "top_logprob_ids": (torch.int32, [1, 2, 0], [[[], []]]),
         "top_logprobs": (torch.float32, [1, 2, 0], [[[], []]]),
+        "sequence_index": (torch.int32, [1, 1], [[0]]),
     }
     assert list(tensors) == list(expected)
     for name, (dtype, shape, values) in expected.items():

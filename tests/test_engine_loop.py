@@ -93,6 +93,11 @@ def engine_request(prompt: list[int], max_tokens: int, streaming: bool = True, *
         "priority": [0],
         "exclude_input_in_output": [True],
         "timeout_ms": [0],
+        "n": [1],
+        "best_of": [0],
+        "beam_width": [1],
+        "length_penalty": [1.0],
+        "early_stopping": [0],
     }
     for name, value in overrides.items():
         inputs[name] = [value]
@@ -260,3 +265,56 @@ def test_a_stream_that_falls_behind_gets_its_tokens_coalesced(loop, engine):
     assert [t for piece in pieces for t in piece] == FOX_GREEDY[:6]
     assert pieces[0] == FOX_GREEDY[:1] and len(pieces) < 6 and max(len(p) for p in pieces) >= 2
     assert loop._sender.outputs_coalesced >= 1
+
+
+# ---- several outputs per request (docs/SEQUENCE-GROUPS.md) --------------------------------
+
+def offline(engine: Engine, prompt, params, group) -> list:
+    """The engine's outputs of one request run alone, offline."""
+    engine.add_request("offline", prompt, params, group=group)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
+def test_n_outputs_stream_each_with_its_index(loop, engine):
+    from inflightllm.sampling_params import SamplingParams
+    from inflightllm.sequence_group import GroupParams
+
+    sink = RecordingSink()
+    loop.submit(engine_request(FOX, 6, streaming=True, n=3, temperature=1.0, seed=11), sink)
+    sink.wait()
+    assert sink.errors == []
+    streamed: dict[int, list[int]] = {}
+    for tensors, _ in sink.responses:
+        streamed.setdefault(scalar(tensors, "sequence_index"), []).extend(ids(tensors))
+    loop.stop()
+    expected: dict[int, list[int]] = {}
+    for output in offline(engine, FOX, SamplingParams(max_tokens=6, temperature=1.0, seed=11), GroupParams(n=3)):
+        expected.setdefault(output.sequence_index, []).extend(output.new_token_ids)
+    assert streamed == expected and sorted(streamed) == [0, 1, 2]
+    # Each output's last response has its finish reason; only the request's last is final.
+    last = {scalar(t, "sequence_index"): scalar(t, "finish_reason") for t, _ in sink.responses}
+    assert set(last.values()) == {2}
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_beam_search_streams_the_beams_and_ends_with_them_best_first(loop, engine):
+    from inflightllm.sampling_params import SamplingParams
+    from inflightllm.sequence_group import GroupParams
+
+    sink = RecordingSink()
+    loop.submit(engine_request(FOX, 5, streaming=True, beam_width=4, length_penalty=0.5, early_stopping=1), sink)
+    sink.wait()
+    assert sink.errors == []
+    loop.stop()
+    [final] = [o for o in offline(engine, FOX, SamplingParams(max_tokens=5),
+                                  GroupParams(beam_width=4, length_penalty=0.5, early_stopping=True)) if o.finished]
+    # The last four responses are the final beams, best first, indexes 0..3.
+    last = sink.responses[-4:]
+    assert [scalar(t, "sequence_index") for t, _ in last] == [0, 1, 2, 3]
+    assert [ids(t) for t, _ in last] == final.beam_token_ids
+    assert [scalar(t, "cum_log_probs") for t, _ in last] == pytest.approx(final.beam_cum_logprobs, abs=1e-5)
+    # Earlier responses carried the running beams, each with its index.
+    assert len(sink.responses) > 4 and all(0 <= scalar(t, "sequence_index") < 4 for t, _ in sink.responses)

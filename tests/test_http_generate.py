@@ -166,8 +166,8 @@ def test_tensorrt_llm_random_seed_takes_effect_over_http_and_grpc(endpoint, mode
 
 def test_features_this_engine_lacks_are_refused_not_ignored(endpoint, model_repo_server):
     for extra, words in [
-        ({"beam_width": 2}, "input 'beam_width': 2 asks for beam search, which is not supported; allowed: 1"),
-        ({"length_penalty": 0.8}, "input 'length_penalty'"),
+        ({"beam_width": 0}, "input 'beam_width': 0 is out of range; allowed: 1 or more"),
+        ({"length_penalty": 12.0}, "input 'length_penalty': 12.0 is out of range"),
         ({"return_generation_logits": True}, "input 'return_generation_logits': true is not supported"),
     ]:
         status, _, body = post(f"{endpoint}/generate", chat_body(**extra))
@@ -175,9 +175,10 @@ def test_features_this_engine_lacks_are_refused_not_ignored(endpoint, model_repo
     accepted = {"beam_width": 1, "length_penalty": 1.0, "return_context_logits": False}
     status, _, body = post(f"{endpoint}/generate", chat_body(exclude_input_in_output=True, **accepted))
     assert status == 200 and json.loads(body)["text_output"] == ANSWER
+    # Beam search is supported (docs/SEQUENCE-GROUPS.md) up to the profile's max_beam_width.
     result = run_one(model_repo_server.grpc_url, {"messages": chat_messages(QUESTION), "max_tokens": 8,
-                                                  "beam_width": 3})
-    assert "beam search, which is not supported" in result.error
+                                                  "beam_width": 9})
+    assert "beam_width: 9 is out of range; allowed: 1 to 8 (engine.max_beam_width)" in result.error
 
 
 def test_vllm_names_take_effect(endpoint, model_repo_server):
@@ -193,5 +194,5 @@ def test_vllm_names_take_effect(endpoint, model_repo_server):
     result = run_one(model_repo_server.grpc_url, {"text_input": STORY_PROMPT, "max_tokens": 6, "stream": False,
                                                   "exclude_input_in_output": True, "return_logprobs": True})
     assert result.error is None and len(result.last("output_log_probs").reshape(-1)) == 6
-    status, _, text = post(f"{endpoint}/generate", {**body, "sampling_parameters": json.dumps({"max_tokens": 6, "n": 2})})
-    assert status == 400 and "sampling_parameters key 'n': 2 is not supported" in text
+    status, _, text = post(f"{endpoint}/generate", {**body, "sampling_parameters": json.dumps({"max_tokens": 6, "n": 0})})
+    assert status == 400 and "sampling_parameters key 'n': 0 is out of range; allowed: 1 or more" in text

@@ -194,7 +194,7 @@ BAD_REQUESTS = [
     ({"max_tokens": "x"}, 400, "max_tokens", "valid integer"),
     ({"max_tokens": 4294967298}, 400, "max_tokens", "less than or equal to 2147483647"),
     ({"max_tokens": 5000}, 400, "max_tokens", "5000 is out of range"),
-    ({"n": 2}, 400, "n", "allowed: 1"),
+    ({"n": 9}, 400, "n", "allowed: 1 to 8"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "'user'"),
     ({"messages": []}, 400, "messages", "at least 1"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias", "unknown field"),

@@ -112,6 +112,11 @@ def test_defaults_fill_every_engine_input(smollm2_tokenizer):
         "timeout_ms": 0,
         "guided_type": 0,
         "guided_guide": [0],
+        "n": 1,
+        "best_of": 0,
+        "beam_width": 1,
+        "length_penalty": 1.0,
+        "early_stopping": 0,
     }
 
 
@@ -346,18 +351,17 @@ ERROR_CASES = {
         {"min_length": scalar(6, np.int32)},
         "input 'min_length': 6 is out of range; allowed: 0 to max_tokens (5)",
     ),
-    "beam search": (
-        {"beam_width": scalar(4, np.int32)},
-        "input 'beam_width': 4 asks for beam search, which is not supported; allowed: 1",
-    ),
     "beam_width 0": (
         {"beam_width": scalar(0, np.int32)},
-        "input 'beam_width': 0 is out of range; allowed: 1 (beam search is not supported)",
+        "input 'beam_width': 0 is out of range; allowed: 1 or more",
     ),
     "length_penalty": (
-        {"length_penalty": scalar(0.5, np.float32)},
-        "input 'length_penalty': 0.5 is not supported: the length penalty scores beams in beam search, "
-        "which this engine does not do; allowed: 1.0 (no penalty)",
+        {"length_penalty": scalar(11.0, np.float32)},
+        "input 'length_penalty': 11.0 is out of range; allowed: -10 to 10",
+    ),
+    "early_stopping code": (
+        {"early_stopping": scalar(3, np.int32)},
+        "input 'early_stopping': 3 is out of range; allowed: 0 (false), 1 (true) or 2 (\"never\")",
     ),
     "context logits": (
         {"return_context_logits": scalar(True, np.bool_)},
@@ -370,8 +374,12 @@ ERROR_CASES = {
         "(for log probabilities use return_log_probs and num_top_logprobs)",
     ),
     "vLLM n": (
-        {"sampling": {"n": 2}},
-        "sampling_parameters key 'n': 2 is not supported; allowed: 1 (one output per request)",
+        {"sampling": {"n": 0}},
+        "sampling_parameters key 'n': 0 is out of range; allowed: 1 or more",
+    ),
+    "vLLM early_stopping": (
+        {"sampling": {"early_stopping": "sometimes"}},
+        "sampling_parameters key 'early_stopping': \"sometimes\" is a string; expected true, false or \"never\"",
     ),
     "vLLM number string that is not a number": (
         {"max_tokens": None, "sampling": {"max_tokens": "lots"}},
@@ -654,6 +662,20 @@ def test_tensorrt_llm_names_take_effect(smollm2_tokenizer):
     # The same as the engine's own names.
     assert request == values(build(smollm2_tokenizer, seed=scalar(2**64 - 1, np.uint64),
                                    min_tokens=scalar(3, np.int32)))
+
+
+def test_several_outputs_reach_the_engine(smollm2_tokenizer):
+    """n (JSON) or num_return_sequences (TensorRT-LLM), best_of, beam search's settings."""
+    request = values(build(smollm2_tokenizer, sampling={"n": 3, "best_of": 5}))
+    assert (request["n"], request["best_of"], request["beam_width"]) == (3, 5, 1)
+    request = values(build(smollm2_tokenizer, num_return_sequences=scalar(4, np.int32),
+                           beam_width=scalar(4, np.int32), length_penalty=scalar(0.5, np.float32),
+                           early_stopping=scalar(2, np.int32)))
+    assert (request["n"], request["beam_width"], request["length_penalty"], request["early_stopping"]) == (
+        4, 4, 0.5, 2)
+    request = values(build(smollm2_tokenizer, sampling={"beam_width": 2, "early_stopping": True,
+                                                        "length_penalty": -1.0}))
+    assert (request["beam_width"], request["early_stopping"], request["length_penalty"]) == (2, 1, -1.0)
 
 
 @pytest.mark.parametrize("flag", ["return_cumulative_logprob", "return_logprobs"])

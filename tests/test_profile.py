@@ -25,7 +25,8 @@ from inflightllm.profile import (
 
 ENGINE_KEYS = (
     "async_scheduling, batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, "
-    "kv_cache_bytes, kv_cache_dtype, max_batch_size, max_input_length, max_num_tokens, max_output_len, preemption_mode, "
+    "kv_cache_bytes, kv_cache_dtype, max_batch_size, max_beam_width, max_input_length, max_n, max_num_tokens, "
+    "max_output_len, preemption_mode, "
     "priority_levels, queue_policy, runner, step_timeout_s, stream_interval, swap_space_blocks"
 )
 

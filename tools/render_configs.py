@@ -119,6 +119,8 @@ ENSEMBLE_INPUTS = (
     _t("min_length", "TYPE_INT32", optional=True),
     _t("beam_width", "TYPE_INT32", optional=True),
     _t("length_penalty", "TYPE_FP32", optional=True),
+    _t("early_stopping", "TYPE_INT32", optional=True),
+    _t("num_return_sequences", "TYPE_INT32", optional=True),
     _t("return_context_logits", "TYPE_BOOL", optional=True),
     _t("return_generation_logits", "TYPE_BOOL", optional=True),
     # vLLM's.
@@ -143,6 +145,7 @@ ENSEMBLE_OUTPUTS = (
     _t("output_log_probs", "TYPE_FP32", (-1,)),
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+    _t("sequence_index", "TYPE_INT32"),  # which output of the request (n, beams)
     _t("cumulative_logprob", "TYPE_FP32"),  # vLLM's name of cum_log_probs
     _t("batch_index", "TYPE_INT32"),  # TensorRT-LLM's; always 0 (one prompt per request)
 )
@@ -173,6 +176,11 @@ PREPROCESSING_TO_ENGINE = (
     _t("timeout_ms", "TYPE_INT32"),
     _t("guided_type", "TYPE_INT32"),
     _t("guided_guide", "TYPE_UINT8", (-1,)),
+    _t("n", "TYPE_INT32"),
+    _t("best_of", "TYPE_INT32"),
+    _t("beam_width", "TYPE_INT32"),
+    _t("length_penalty", "TYPE_FP32"),
+    _t("early_stopping", "TYPE_INT32"),
 )
 
 # The engine's inputs: preprocessing's outputs, plus the control input `cancel_request`.
@@ -195,6 +203,7 @@ ENGINE_OUTPUTS = (
     _t("output_log_probs", "TYPE_FP32", (-1,)),
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
+    _t("sequence_index", "TYPE_INT32"),
 )
 
 # Inside the ensemble the engine sends the same values in three tensors (it does when a

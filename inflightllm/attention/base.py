@@ -85,6 +85,12 @@ class AttentionBackend(abc.ABC):
         """Free a handle's host memory without copying it back (the request ended)."""
         raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
 
+    # ---- copy-on-write (sequence groups) --------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of every layer of each (source block, destination block) pair, all
+        pairs at once. Sources and destinations are distinct blocks."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks")
+
 
 class HostSwapMixin:
     """swap_out/swap_in over per-layer `key_cache`/`value_cache` tensors of slots
@@ -131,3 +137,13 @@ class HostSwapMixin:
 
     def discard_swapped(self, handle) -> None:
         handle.clear()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        device = self.key_cache[0].device
+        sources = self._block_slots([source for source, _ in copies], device)
+        destinations = self._block_slots([destination for _, destination in copies], device)
+        for key, value in zip(self.key_cache, self.value_cache):
+            key.index_copy_(0, destinations, key.index_select(0, sources))
+            value.index_copy_(0, destinations, value.index_select(0, sources))

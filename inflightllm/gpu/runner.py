@@ -362,6 +362,8 @@ class GpuModelRunner:
         # to another request in this very step, and this step's forward writes into them.
         for request_id, block_ids in step.swap_out:
             self.swapped[request_id] = self.attention.swap_out(block_ids)
+        if step.block_copies:  # copy-on-write: after the swap-outs read, before anything writes
+            self.attention.copy_blocks(step.block_copies)
         for request_id, block_ids in step.swap_in:
             self.attention.swap_in(self.swapped.pop(request_id), block_ids)
         for request_id in step.finished_request_ids:

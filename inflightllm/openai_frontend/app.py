@@ -85,8 +85,11 @@ def _error_response(error: OpenAIError) -> JSONResponse:
 # Ensemble input names -> the OpenAI field they come from (others have the same name).
 _FIELD_OF_INPUT = {"text_input": "prompt", "stop_words": "stop", "num_top_logprobs": "top_logprobs",
                    "return_log_probs": "logprobs", "sampling_parameters": "ignore_eos",
-                   "guided_json": "response_format", "guided_json_object": "response_format"}
+                   "guided_json": "response_format", "guided_json_object": "response_format",
+                   "num_return_sequences": "n"}
 _NAMED_INPUT = re.compile(r"(?:input|sampling_parameters key) '(\w+)'")
+# The engine's own checks name its input first ("n: 9 is out of range; ...").
+_ENGINE_NAMED_INPUT = re.compile(r"\b(n): -?\d+ is out of range")
 
 
 def _from_backend(error: BackendError) -> OpenAIError:
@@ -94,7 +97,7 @@ def _from_backend(error: BackendError) -> OpenAIError:
     if error.status != 400:
         return OpenAIError(error.status, error.message, type="server_error",
                            code="overloaded" if error.status == 503 else None)
-    named = _NAMED_INPUT.search(error.message)
+    named = _NAMED_INPUT.search(error.message) or _ENGINE_NAMED_INPUT.search(error.message)
     param = None if named is None else _FIELD_OF_INPUT.get(named[1], named[1])
     return OpenAIError(400, error.message, param=param)
 
@@ -158,6 +161,29 @@ class _Generation:
 
     def usage(self) -> dict:
         return protocol.usage(self.num_input_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+class _Choices:
+    """One request's pieces by choice (`sequence_index`; n > 1 gives several)."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, _Generation] = {}
+
+    def add(self, piece: Piece) -> None:
+        self.by_index.setdefault(piece.sequence_index, _Generation()).add(piece)
+
+    def finished(self) -> int:
+        return sum(1 for generation in self.by_index.values() if generation.finish_reason)
+
+    def items(self) -> list[tuple[int, _Generation]]:
+        return sorted(self.by_index.items())
+
+    def usage(self) -> dict:
+        """The prompt once; the completion tokens of every choice."""
+        generations = list(self.by_index.values()) or [_Generation()]
+        first = generations[0]
+        return protocol.usage(first.num_input_tokens, sum(g.num_output_tokens for g in generations),
+                              first.num_cached_tokens)
 
 
 async def _first_disconnect(request: Request) -> None:
@@ -249,9 +275,9 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
 
     # ------------------------------------------------------------------ running
 
-    async def collect(http_request: Request, values: dict) -> _Generation:
+    async def collect(http_request: Request, values: dict) -> _Choices:
         """Run a non-streaming request; the client's disconnect cancels it."""
-        generation = _Generation()
+        generation = _Choices()
 
         async def run():
             async for piece in backend.generate(values):
@@ -290,9 +316,9 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
         return "data: " + (chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)) + "\n\n"
 
     def streaming_response(first: Piece, pieces: AsyncIterator[Piece], make_chunk, include_usage: bool,
-                           base: dict) -> StreamingResponse:
+                           base: dict, num_choices: int = 1) -> StreamingResponse:
         async def events():
-            generation = _Generation()
+            generation = _Choices()
             try:
                 piece = first
                 while True:
@@ -301,7 +327,7 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
                         if include_usage:
                             chunk["usage"] = None
                         yield sse(chunk)
-                    if piece.finish_reason:
+                    if piece.finish_reason and generation.finished() >= num_choices:
                         break
                     try:
                         piece = await pieces.__anext__()
@@ -327,7 +353,7 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
                 first, pieces = await open_stream(values)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 handed_over = True  # the stream gives the slot back when it ends
-                return streaming_response(first, pieces, stream_chunks, include_usage, base)
+                return streaming_response(first, pieces, stream_chunks, include_usage, base, body.n)
             return respond(await collect(http_request, values))
         finally:
             if not handed_over:
@@ -353,26 +379,26 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
             values["num_top_logprobs"] = body.logprobs
         base = {"id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
                 "model": served_model}
-        offset = [0]
+        offsets: dict[int, int] = {}  # text offset of each choice
 
-        def logprobs_of(ids, log_probs, top_ids, top_values):
+        def logprobs_of(ids, log_probs, top_ids, top_values, index: int = 0):
             if body.logprobs is None:
                 return None
-            result = completion_logprobs(ids, log_probs, top_ids, top_values, offset[0])
-            offset[0] += sum(len(token) for token in result["tokens"])
+            result = completion_logprobs(ids, log_probs, top_ids, top_values, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(token) for token in result["tokens"])
             return result
 
-        def respond(generation: _Generation) -> dict:
+        def respond(generations: _Choices) -> dict:
             return {
                 **base,
                 "choices": [{
-                    "index": 0,
+                    "index": index,
                     "text": "".join(generation.text),
                     "logprobs": logprobs_of(generation.token_ids, generation.log_probs, generation.top_ids,
-                                            generation.top_values),
+                                            generation.top_values, index),
                     "finish_reason": protocol.finish_reason(generation.finish_reason),
-                }],
-                "usage": generation.usage(),
+                } for index, generation in generations.items()],
+                "usage": generations.usage(),
             }
 
         def chunks(piece: Piece):
@@ -381,10 +407,10 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
             return [{
                 **base,
                 "choices": [{
-                    "index": 0,
+                    "index": piece.sequence_index,
                     "text": piece.text,
                     "logprobs": logprobs_of(piece.output_ids, piece.output_log_probs, piece.top_logprob_ids,
-                                            piece.top_logprobs),
+                                            piece.top_logprobs, piece.sequence_index),
                     "finish_reason": protocol.finish_reason(piece.finish_reason),
                 }],
             }]
@@ -407,6 +433,10 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
         messages = protocol.chat_messages(body)
         structured = protocol.structured_output(body)
         plan = structured.plan
+        if (plan.mode != "none" or structured.parameters) and body.n != 1:
+            raise protocol.OpenAIError(
+                400, f"n: {body.n} with tools or response_format is not supported; allowed: 1 (one constrained "
+                "output per request)", param="n")
         tool_names = [tool["function"]["name"] for tool in structured.tools or []]
         max_tokens = body.max_completion_tokens or body.max_tokens or default_chat_max_tokens(messages)
         values = {
@@ -438,28 +468,31 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
                      "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
                     for call in calls]
 
-        def respond(generation: _Generation) -> dict:
-            text = "".join(generation.text)
-            calls = tool_calls_of(text, generation.finish_reason)
-            message = {"role": "assistant", "content": text}
-            reason = protocol.finish_reason(generation.finish_reason)
-            if calls:
-                message = {"role": "assistant", "content": None, "tool_calls": calls}
-                reason = "tool_calls"
-            return {
-                **base,
-                "object": "chat.completion",
-                "choices": [{
-                    "index": 0,
+        def respond(generations: _Choices) -> dict:
+            choices = []
+            for index, generation in generations.items():
+                text = "".join(generation.text)
+                calls = tool_calls_of(text, generation.finish_reason)
+                message = {"role": "assistant", "content": text}
+                reason = protocol.finish_reason(generation.finish_reason)
+                if calls:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    reason = "tool_calls"
+                choices.append({
+                    "index": index,
                     "message": message,
                     "logprobs": logprobs_of(generation.token_ids, generation.log_probs, generation.top_ids,
                                             generation.top_values),
                     "finish_reason": reason,
-                }],
-                "usage": generation.usage(),
+                })
+            return {
+                **base,
+                "object": "chat.completion",
+                "choices": choices,
+                "usage": generations.usage(),
             }
 
-        sent_role = [False]
+        sent_role: set[int] = set()  # choices whose first chunk (with the role) went out
         held: list[str] = []  # auto / required: the output, held until it ends (call or content?)
         named_id = protocol.new_id("call")
 
@@ -495,25 +528,27 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
 
         def chunks(piece: Piece):
             result = []
-            if not sent_role[0]:  # OpenAI's first chunk carries the role
-                sent_role[0] = True
+            index = piece.sequence_index
+            if index not in sent_role:  # OpenAI's first chunk of a choice carries the role
+                sent_role.add(index)
                 if plan.mode == "named":
                     result.append(delta_chunk({"role": "assistant", "content": None, "tool_calls": [{
                         "index": 0, "id": named_id, "type": "function",
                         "function": {"name": plan.name, "arguments": ""}}]}))
                 else:
-                    result.append(delta_chunk({"role": "assistant", "content": ""}))
-            if plan.mode != "none":
+                    result.append({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]})
+            if plan.mode != "none":  # tools: one choice (n > 1 is refused with them)
                 return result + tool_chunks(piece)
             if piece.text or piece.output_ids:
                 result.append({**base, "choices": [{
-                    "index": 0, "delta": {"content": piece.text},
+                    "index": index, "delta": {"content": piece.text},
                     "logprobs": logprobs_of(piece.output_ids, piece.output_log_probs, piece.top_logprob_ids,
                                             piece.top_logprobs),
                     "finish_reason": None,
                 }]})
             if piece.finish_reason:
-                result.append({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                result.append({**base, "choices": [{"index": index, "delta": {}, "logprobs": None,
                                                     "finish_reason": protocol.finish_reason(piece.finish_reason)}]})
             return result
 

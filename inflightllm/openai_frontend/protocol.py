@@ -131,7 +131,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: PositiveInt = 1  # choices; the profile's engine.max_n bounds it (the engine names it)
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     presence_penalty: float | None = None
@@ -168,8 +168,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 def check_common(request: _SamplingFields) -> None:
     """Checks the types alone cannot express; raises OpenAIError (400) naming the field."""
-    if request.n != 1:
-        raise OpenAIError(400, f"n: {request.n} is not supported; allowed: 1 (one choice per request)", param="n")
     if request.stream_options is not None and not request.stream:
         raise OpenAIError(400, "stream_options: allowed only with stream=true", param="stream_options")
     if isinstance(request.stop, list) and any(word == "" for word in request.stop):
@@ -291,6 +289,8 @@ def sampling_inputs(request: _SamplingFields, parameters: dict | None = None) ->
         parameters["ignore_eos"] = request.ignore_eos
     if parameters:
         inputs["sampling_parameters"] = json.dumps(parameters, ensure_ascii=False)
+    if request.n != 1:  # several choices: each sampled on its own (docs/SEQUENCE-GROUPS.md)
+        inputs["num_return_sequences"] = request.n
     return inputs
 
 

@@ -43,6 +43,7 @@ INPUT_TYPES = {
     "num_top_logprobs": "INT32",
     "sampling_parameters": "BYTES",
     "tools": "BYTES",
+    "num_return_sequences": "INT32",
 }
 
 # Substrings of Triton's messages that mean "too busy, retry" (HTTP 503).
@@ -83,6 +84,7 @@ class Piece:
     output_log_probs: list[float] = field(default_factory=list)
     top_logprob_ids: list[list[int]] = field(default_factory=list)  # [tokens in this piece][n]
     top_logprobs: list[list[float]] = field(default_factory=list)
+    sequence_index: int = 0  # which choice (n > 1)
 
 
 def _scalar(result, name: str, default):
@@ -110,6 +112,7 @@ def _piece(result) -> Piece:
         output_log_probs=[] if log_probs is None else log_probs.reshape(-1).tolist(),
         top_logprob_ids=np.asarray(top_ids).reshape(-1, width).tolist() if width else [[] for _ in range(num_ids)],
         top_logprobs=np.asarray(top_values).reshape(-1, width).tolist() if width else [[] for _ in range(num_ids)],
+        sequence_index=int(_scalar(result, "sequence_index", 0)),
     )
 
 

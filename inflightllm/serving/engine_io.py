@@ -17,7 +17,8 @@ from inflightllm import packed_outputs
 from inflightllm.engine import RequestOutput
 from inflightllm.guided.spec import KIND_BY_CODE, GuidedSpec
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
-from inflightllm.text.preprocess import ENGINE_REQUEST_DTYPES
+from inflightllm.sequence_group import GroupParams
+from inflightllm.text.preprocess import EARLY_STOPPING_CODES, ENGINE_REQUEST_DTYPES
 from inflightllm.token_sequences import unpack_token_sequences
 
 # The generation inputs of the engine model: exactly what preprocessing emits. The
@@ -42,6 +43,7 @@ class EngineRequest:
     packed_outputs: bool = False
     # (handle, its `request_handle` tensor): built once, the same in every response of the request.
     handle_tensor: tuple[int, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    group: GroupParams | None = None  # several outputs (n, best_of, beam search); None: one
 
 
 def _scalar(inputs: dict[str, torch.Tensor], name: str):
@@ -114,7 +116,21 @@ def parse_engine_request(inputs: dict[str, torch.Tensor]) -> EngineRequest:
         top_logprobs=int(_scalar(inputs, "num_top_logprobs")),
         guided=_guided_spec(inputs),
     )
+    early_stopping = int(_scalar(inputs, "early_stopping"))
+    by_code = {code: value for value, code in EARLY_STOPPING_CODES.items()}
+    if early_stopping not in by_code:
+        raise InvalidRequestError(
+            f"early_stopping: {early_stopping} is out of range; allowed: 0 (false), 1 (true) or 2 (\"never\")")
+    best_of = int(_scalar(inputs, "best_of"))
+    group = GroupParams(
+        n=int(_scalar(inputs, "n")),
+        best_of=best_of if best_of > 0 else None,
+        beam_width=int(_scalar(inputs, "beam_width")),
+        length_penalty=float(_scalar(inputs, "length_penalty")),
+        early_stopping=by_code[early_stopping],
+    )
     return EngineRequest(
+        group=group if group != GroupParams() else None,
         prompt_token_ids=prompt,
         params=params,
         priority=int(_scalar(inputs, "priority")),
@@ -195,7 +211,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
     packed response, where postprocessing counts it answered (inflightllm/piece_ledger.py)."""
     token_ids = output.new_token_ids
     context = output.context_ids
-    if request.echo_prompt and output.finished:
+    if request.echo_prompt and (output.finished if output.sequence_finished is None else output.sequence_finished):
         token_ids = request.prompt_token_ids + token_ids
         context = []
     top_k = request.params.top_logprobs
@@ -212,7 +228,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
             output_ids=token_ids, context_ids=context, cum_log_probs=output.cum_logprob,
             output_log_probs=output.new_logprobs, top_logprob_ids=output.new_top_ids,
             top_logprobs=output.new_top_logprobs, top_k=top_k, num_top_rows=num_new,
-            sender=ledger_id,
+            sender=ledger_id, sequence_index=output.sequence_index,
         )
         return {
             "request_handle": cached_handle[1],
@@ -232,4 +248,5 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
         "output_log_probs": _array(output.new_logprobs, float32, (1, len(output.new_logprobs))),
         "top_logprob_ids": _array(output.new_top_ids, int32, (1, num_new, top_k)),
         "top_logprobs": _array(output.new_top_logprobs, float32, (1, num_new, top_k)),
+        "sequence_index": _int32_scalar(output.sequence_index),
     }

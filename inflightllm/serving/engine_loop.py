@@ -25,7 +25,13 @@ from typing import Protocol
 
 import torch
 
-from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
+from inflightllm.engine import (
+    Engine,
+    EngineStats,
+    RequestOutput,
+    coalesce_outputs,
+    per_beam_outputs,
+)
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
@@ -75,6 +81,7 @@ class EngineLoop:
         self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
         self._cancels: deque[int] = deque()  # handles of requests to abort
         self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
+        self._beam_outputs_seen = 0  # engine.num_beam_outputs when outputs were last delivered
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
@@ -95,7 +102,8 @@ class EngineLoop:
 
     def validate(self, request: EngineRequest) -> None:
         """Raise InvalidRequestError for a request the engine would refuse."""
-        self.engine.validate_request(request.prompt_token_ids, request.params, request.priority)
+        self.engine.validate_request(request.prompt_token_ids, request.params, request.priority, request.group,
+                                     request.streaming)
 
     @staticmethod
     def request_id(handle: int) -> str:
@@ -203,6 +211,7 @@ class EngineLoop:
                     streaming=request.streaming,
                     arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
                     timeout_s=request.timeout_ms / 1e3 if request.timeout_ms else None,
+                    group=request.group,
                 )
             except InvalidRequestError as error:
                 self._safe_error(sink, str(error))
@@ -258,8 +267,12 @@ class EngineLoop:
         return found
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand the outputs to the sender thread; a finished request leaves `_active` now."""
+        """Hand the outputs to the sender thread; a finished request leaves `_active` now.
+        A beam search output becomes one output per beam (docs/SEQUENCE-GROUPS.md)."""
         batch = []
+        if self.engine.num_beam_outputs != self._beam_outputs_seen:  # not a per-output test on every step
+            self._beam_outputs_seen = self.engine.num_beam_outputs
+            outputs = [item for output in outputs for item in per_beam_outputs(output)]
         for output in outputs:
             entry = self._active.get(output.request_id)
             if entry is None:
@@ -402,21 +415,27 @@ class ResponseSender:
                 self._busy = 0
 
     def _send_all(self, items) -> None:
-        # Merge each request's outputs across the queued steps; keep first-seen order.
-        merged: dict[str, list] = {}
+        # Merge each request's outputs across the queued steps; keep first-seen order. The
+        # outputs of one request with several (n, beams) merge per sequence, never across.
+        merged: dict = {}
         order: list = []
+        finals = False
         for item in items:
             if item[0] == "error":
                 order.append(item)
                 continue
             for output, request, sink in item[1]:
-                entry = merged.get(output.request_id)
+                key = output.request_id if not output.sequence_index else (output.request_id, output.sequence_index)
+                entry = merged.get(key)
                 if entry is None:
                     entry = [[output], request, sink]
-                    merged[output.request_id] = entry
-                    order.append(("request", output.request_id))
+                    merged[key] = entry
+                    order.append(("request", key))
                 else:
                     entry[0].append(output)
+                finals = finals or (output.finished and output.sequence_finished is not None)
+        if finals:  # a request's final response goes after its other sequences' responses
+            order.sort(key=lambda item: item[0] == "request" and merged[item[1]][0][-1].finished)
         self._busy = len(order)
         pause = self.yield_s
         for index, item in enumerate(order):

@@ -33,6 +33,7 @@ PASS_THROUGH_DEFAULTS: dict[str, tuple[type, tuple[int, ...]]] = {
     "output_log_probs": (np.float32, (1, 0)),
     "top_logprob_ids": (np.int32, (1, 0, 0)),
     "top_logprobs": (np.float32, (1, 0, 0)),
+    "sequence_index": (np.int32, (1, 1)),  # which output of the request (n > 1, beams)
 }
 
 # Other backends' output names: vLLM's `cumulative_logprob` (= cum_log_probs) and

@@ -56,6 +56,10 @@ SAMPLING_PARAMETER_KEYS = (
     "guided_choice",
     "guided_grammar",
     "guided_decoding_backend",
+    "best_of",
+    "beam_width",
+    "length_penalty",
+    "early_stopping",
 )
 
 # TensorRT-LLM's `guided_decoding_guide_type` values -> our constraint kinds.
@@ -77,6 +81,7 @@ _NUMERIC_STRING_KEYS = {
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float,
     "top_k": int, "max_tokens": int, "min_tokens": int, "seed": int, "logprobs": int, "n": int,
+    "best_of": int, "beam_width": int, "length_penalty": float,
 }
 
 # The "preprocessing -> engine" tensors: name -> NumPy dtype. Each is [1, ...].
@@ -107,7 +112,17 @@ ENGINE_REQUEST_DTYPES: dict[str, type] = {
     # the schema, regex, grammar or choices as UTF-8 bytes ([1, n], n >= 1).
     "guided_type": np.int32,
     "guided_guide": np.uint8,
+    # Several outputs (docs/SEQUENCE-GROUPS.md): n, best_of (0 = n), beam_width,
+    # length_penalty and early_stopping (EARLY_STOPPING_CODES) of beam search.
+    "n": np.int32,
+    "best_of": np.int32,
+    "beam_width": np.int32,
+    "length_penalty": np.float32,
+    "early_stopping": np.int32,
 }
+
+# early_stopping on the wire: 0 false, 1 true, 2 "never" (transformers' three values).
+EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
 
 
 class RequestError(ValueError):
@@ -249,6 +264,10 @@ _JSON_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "guided_choice": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v), "a list of strings"),
     "guided_grammar": (lambda v: isinstance(v, str), "a string"),
     "guided_decoding_backend": (lambda v: isinstance(v, str), "a string"),
+    "best_of": (_is_integer, "an integer"),
+    "beam_width": (_is_integer, "an integer"),
+    "length_penalty": (_is_number, "a number"),
+    "early_stopping": (lambda v: isinstance(v, bool) or v == "never", 'true, false or "never"'),
 }
 assert set(_JSON_TYPES) == set(SAMPLING_PARAMETER_KEYS)
 
@@ -526,17 +545,6 @@ def pack_token_sequences(sequences: list[tuple[int, ...]]) -> np.ndarray:
 def _check_unsupported_features(resolve: _Resolver, params: dict) -> None:
     """Other backends' inputs whose neutral value is accepted and whose other values ask
     for something this engine does not do: refused, never silently ignored."""
-    value, label = resolve.get("beam_width")
-    if value is not None and int(value) != 1:
-        if int(value) > 1:
-            raise RequestError(f"{label}: {_show(value)} asks for beam search, which is not supported; allowed: 1")
-        raise _out_of_range(label, value, "1 (beam search is not supported)")
-    value, label = resolve.get("length_penalty")
-    if value is not None and float(value) != 1.0:
-        raise RequestError(
-            f"{label}: {_show(value)} is not supported: the length penalty scores beams in beam search, "
-            "which this engine does not do; allowed: 1.0 (no penalty)"
-        )
     for name in ("return_context_logits", "return_generation_logits"):
         value, label = resolve.get(name)
         if value is not None and bool(value):
@@ -544,8 +552,34 @@ def _check_unsupported_features(resolve: _Resolver, params: dict) -> None:
                 f"{label}: true is not supported: this server returns no logits; allowed: false "
                 "(for log probabilities use return_log_probs and num_top_logprobs)"
             )
-    if "n" in params and params["n"] != 1:
-        raise RequestError(f"{_json_label('n')}: {_show(params['n'])} is not supported; allowed: 1 (one output per request)")
+
+
+def _group_settings(resolve: _Resolver, params: dict) -> dict:
+    """n / num_return_sequences, best_of, beam_width, length_penalty, early_stopping
+    (docs/SEQUENCE-GROUPS.md). Lower bounds here; the engine checks the profile's limits
+    (engine.max_n, engine.max_beam_width) and names the engine input."""
+    n_value, n_label = resolve.get("num_return_sequences", "n")  # TensorRT-LLM's name, or OpenAI's / vLLM's
+    settings = {"n": 1, "best_of": 0, "beam_width": 1, "length_penalty": 1.0, "early_stopping": 0}
+    for name, value, label in (("n", n_value, n_label), ("best_of", *resolve.get("best_of", "best_of")),
+                               ("beam_width", *resolve.get("beam_width", "beam_width"))):
+        if value is None:
+            continue
+        if int(value) != value or int(value) < 1:
+            raise _out_of_range(label, value, "1 or more")
+        settings[name] = int(value)
+    value, label = resolve.get("length_penalty", "length_penalty")
+    if value is not None:
+        if not rules.LENGTH_PENALTY.contains(value):
+            raise _out_of_range(label, value, rules.LENGTH_PENALTY.allowed)
+        settings["length_penalty"] = float(value)
+    if "early_stopping" in params:
+        settings["early_stopping"] = EARLY_STOPPING_CODES[params["early_stopping"]]
+    code = resolve.tensor("early_stopping")
+    if code is not None:
+        if int(code) not in EARLY_STOPPING_CODES.values():
+            raise _out_of_range(_tensor_label("early_stopping"), code, '0 (false), 1 (true) or 2 ("never")')
+        settings["early_stopping"] = int(code)
+    return settings
 
 
 # ----------------------------------------------------------------------------- structured output
@@ -761,6 +795,7 @@ def build_engine_request(
 
     _check_unsupported_features(resolve, params)
     guided_type, guided_guide = _guided_tensors(_guided_spec(inputs, params))
+    group = _group_settings(resolve, params)
 
     value, label = resolve.get("priority")
     priority = 0
@@ -803,6 +838,7 @@ def build_engine_request(
         "exclude_input_in_output": False if exclude_input is None else bool(exclude_input),
         "timeout_ms": timeout_ms,
         "guided_type": guided_type,
+        **group,
     }
     request = {"input_ids": np.array([input_ids], dtype=np.int32)}  # [1, num_prompt_tokens]
     for name, scalar in scalars.items():

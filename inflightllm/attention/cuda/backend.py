@@ -234,6 +234,17 @@ class CudaPagedAttention(AttentionBackend):
     def discard_swapped(self, handle) -> None:
         handle.clear()
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's K and V of each (source, destination) block pair in
+        one gather and one scatter over the whole cache ([layers, 2, blocks, ...]), on
+        torch's current stream (ordered before the step's forward)."""
+        if not copies:
+            return
+        device = self.kv_cache.device
+        sources = torch.tensor([source for source, _ in copies], dtype=torch.int64).to(device, non_blocking=True)
+        destinations = torch.tensor([dest for _, dest in copies], dtype=torch.int64).to(device, non_blocking=True)
+        self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
+
     # ------------------------------------------------------------------ metadata
     def build_metadata(self, sequences: list[SequenceSlice], device) -> CudaAttentionMetadata:
         """Host-side packing of a step (decodes first). A convenience for tests and simple

@@ -1,0 +1,135 @@
+"""Sequence groups on one GPU (issue 29's goals), engine-only, in one run:
+
+- beam search: 256 requests x beam_width 4, 128/128, against 1,024 independent greedy
+  requests of the same lengths (wall time ratio; goal <= 1.3);
+- parallel sampling: P prompts of 2,048 tokens with n=8 sampled outputs of 128 tokens,
+  against the same 8 x P sequences as separate requests on an engine without the prefix
+  cache (output tokens/s ratio; goal >= 5).
+
+Prints the figures and saves them as JSON (`--out`). Usage on the GPU host:
+    python -m perf.bench_sequence_groups --out $OUT/sequence_groups.json
+A CPU check at toy sizes: --shape tiny-llama3 --device cpu --scale 0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.model_source import ModelSpec
+from inflightllm.sampling_params import SamplingParams
+from inflightllm.sequence_group import GroupParams
+
+
+def prompts_of(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (count, length), generator=generator).tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupParams | None]], tag: str) -> dict:
+    """Submit every request at once and step to the end: wall seconds, output tokens (every
+    sequence's), KV figures."""
+    sync()
+    start = time.perf_counter()
+    for index, (prompt, params, group) in enumerate(requests):
+        engine.add_request(f"{tag}-{index}", prompt, params, group=group)
+    tokens = 0
+    peak_used = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.error is not None:
+                raise RuntimeError(f"{tag}: {output.error}")
+            tokens += len(output.new_token_ids)
+        peak_used = max(peak_used, engine.block_manager.num_used_blocks)
+    sync()
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    return {"seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 1),
+            "peak_kv_blocks_used": peak_used, "preemptions_total": stats.num_preemptions_total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (CPU checks)")
+    parser.add_argument("--prompts", type=int, default=64, help="P: prompts of the n=8 workload")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.44)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+
+    def scaled(value: int) -> int:
+        return max(1, int(value * args.scale))
+
+    spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype)
+    length, beams, greedy_count = scaled(128), scaled(256), scaled(1024)
+    long_prompt, prompts = scaled(2048), max(1, int(args.prompts * args.scale))
+    config = EngineConfig(
+        device=args.device, gpu_ids=(0,) if args.device == "gpu" else (), max_batch_size=1024,
+        max_num_tokens=16384, max_input_length=max(long_prompt, length), max_output_len=length,
+        gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=args.device == "gpu",
+        max_beam_width=8, max_n=8, enable_kv_cache_reuse=True,
+        **({} if args.device == "gpu" else {"num_kv_blocks": 4096}),
+    )
+    report: dict = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "date": time.strftime("%Y-%m-%d"),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    engine = Engine(spec, config, sampler_seed=0)
+    vocab = engine.vocab_size
+    drive(engine, [(p, SamplingParams(max_tokens=min(8, length), ignore_eos=True), None)
+                   for p in prompts_of(32, min(16, long_prompt), vocab, 1)],
+          "warm-up")
+
+    # ---- beam search vs independent greedy requests
+    greedy = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), None)
+                            for p in prompts_of(greedy_count, length, vocab, 2)], "greedy")
+    beam = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), GroupParams(beam_width=4))
+                          for p in prompts_of(beams, length, vocab, 3)], "beam")
+    report["beam_search"] = {"greedy_requests": greedy_count, "beam_requests": beams, "beam_width": 4,
+                             "isl": length, "osl": length, "greedy": greedy, "beam": beam,
+                             "wall_ratio": round(beam["seconds"] / greedy["seconds"], 3), "goal": "<= 1.3"}
+    print(f"beam search: {beams} x beam_width 4 in {beam['seconds']:.2f} s; {greedy_count} greedy in "
+          f"{greedy['seconds']:.2f} s: ratio {report['beam_search']['wall_ratio']:.3f} (goal <= 1.3)", flush=True)
+
+    # ---- n=8 over long prompts vs 8 separate requests without the prefix cache
+    texts = prompts_of(prompts, long_prompt, vocab, 4)
+    sampled = SamplingParams(max_tokens=length, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    groups = drive(engine, [(p, sampled, GroupParams(n=8)) for p in texts], "n8")
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    separate_engine = Engine(spec, dataclasses.replace(config, enable_kv_cache_reuse=False), sampler_seed=0)
+    separate = drive(separate_engine, [(p, dataclasses.replace(sampled, seed=7 + i), None)
+                                       for p in texts for i in range(8)], "separate")
+    report["parallel_sampling"] = {"prompts": prompts, "n": 8, "isl": long_prompt, "osl": length,
+                                   "groups": groups, "separate_no_prefix_cache": separate,
+                                   "throughput_ratio": round(groups["output_tok_s"] / separate["output_tok_s"], 3),
+                                   "goal": ">= 5"}
+    print(f"n=8 over {prompts} prompts of {long_prompt}: {groups['output_tok_s']:.0f} output tok/s "
+          f"(peak {groups['peak_kv_blocks_used']} blocks); 8 separate requests each, no prefix cache: "
+          f"{separate['output_tok_s']:.0f} (peak {separate['peak_kv_blocks_used']} blocks): ratio "
+          f"{report['parallel_sampling']['throughput_ratio']:.2f} (goal >= 5)", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
