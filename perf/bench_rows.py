@@ -38,6 +38,7 @@ from inflightllm.engine import Engine
 from inflightllm.llm import LLM
 from inflightllm.profile import load_profile
 from inflightllm.sampling_params import SamplingParams
+from perf.bench_gpu import prompts_of, sync
 
 ROWS = "128/128x1024,2048/128x512,128/2048x512,2048/2048x256"
 # TensorRT-LLM's published H200 figures (FP8, its performance overview), output tok/s.
@@ -56,15 +57,6 @@ def parse_rows(text: str) -> list[tuple[int, int, int]]:
             raise SystemExit(f"--rows: {item!r} is not ISL/OSLxREQUESTS (e.g. 128/128x1024)") from None
     return rows
 
-
-def prompts_of(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab - 1, (count, length), generator=generator).tolist()
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int) -> dict:

@@ -28,16 +28,7 @@ from inflightllm.engine import Engine
 from inflightllm.model_source import ModelSpec
 from inflightllm.sampling_params import SamplingParams
 from inflightllm.sequence_group import GroupParams
-
-
-def prompts_of(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab - 1, (count, length), generator=generator).tolist()
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from perf.bench_gpu import prompts_of, sync
 
 
 def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupParams | None]], tag: str) -> dict:

@@ -226,19 +226,20 @@ def _fp8_vec_threads(width: int, dtype: torch.dtype, vector: bool | None, *tenso
     return threads if threads * _FP8_NPT >= chunks else 0
 
 
+def _launch_fp8(name: str, rows: torch.Tensor, tokens: int, width: int, vec_threads: int, args: tuple) -> None:
+    """One row a block: `name`_vec with `vec_threads` (not 0), else the scalar `name`."""
+    if not tokens:
+        return
+    kernel, threads = (name + "_vec", vec_threads) if vec_threads else (name, _threads(min(width // 2, 1024)))
+    _kernel(kernel, rows.dtype, rows.device.index)((tokens,), (threads,), args)
+
+
 def quant_rows_fp8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, vector: bool | None = None) -> None:
     """q, scale = quantize_per_token(x); x [tokens, width] contiguous."""
     tokens, width = x.shape
     _check_fp8_out(q, scale, tokens, width)
-    threads = _fp8_vec_threads(width, x.dtype, vector, x)
-    if tokens and threads:
-        _kernel("quant_rows_fp8_vec", x.dtype, x.device.index)(
-            (tokens,), (threads,), (_ptr(q), _ptr(scale), _ptr(x), np.int32(width))
-        )
-    elif tokens:
-        _kernel("quant_rows_fp8", x.dtype, x.device.index)(
-            (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(x), np.int32(width))
-        )
+    _launch_fp8("quant_rows_fp8", x, tokens, width, _fp8_vec_threads(width, x.dtype, vector, x),
+                (_ptr(q), _ptr(scale), _ptr(x), np.int32(width)))
 
 
 def add_rms_norm_fp8(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor | None, residual: torch.Tensor,
@@ -249,16 +250,9 @@ def add_rms_norm_fp8(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor |
     if delta is not None and (delta.shape != residual.shape or not delta.is_contiguous()):
         raise ValueError(f"delta: need a contiguous {tuple(residual.shape)}, got {tuple(delta.shape)}")
     threads = _fp8_vec_threads(width, residual.dtype, vector, residual, weight, *([delta] if delta is not None else []))
-    if tokens and threads:
-        _kernel("add_rms_norm_fp8_vec", residual.dtype, residual.device.index)(
-            (tokens,), (threads,),
-            (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
-        )
-    elif tokens:
-        _kernel("add_rms_norm_fp8", residual.dtype, residual.device.index)(
-            (tokens,), (_threads(min(width // 2, 1024)),),
-            (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(width)),
-        )
+    _launch_fp8("add_rms_norm_fp8", residual, tokens, width, threads,
+                (_ptr(q), _ptr(scale), _ptr_or_null(delta), _ptr(residual), _ptr(weight), np.float32(eps),
+                 np.int32(width)))
 
 
 def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor, vector: bool | None = None) -> None:
@@ -266,15 +260,8 @@ def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor
     tokens, double = gate_up.shape
     width = double // 2
     _check_fp8_out(q, scale, tokens, width)
-    threads = _fp8_vec_threads(width, gate_up.dtype, vector, gate_up)
-    if tokens and threads:
-        _kernel("silu_and_mul_fp8_vec", gate_up.dtype, gate_up.device.index)(
-            (tokens,), (threads,), (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
-        )
-    elif tokens:
-        _kernel("silu_and_mul_fp8", gate_up.dtype, gate_up.device.index)(
-            (tokens,), (_threads(min(width // 2, 1024)),), (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
-        )
+    _launch_fp8("silu_and_mul_fp8", gate_up, tokens, width, _fp8_vec_threads(width, gate_up.dtype, vector, gate_up),
+                (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width)))
 
 
 # ---- Small-batch decode kernels (layers.cu, "Small-batch decode kernels") --------------------

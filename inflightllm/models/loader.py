@@ -85,6 +85,27 @@ def _init_random(model: LlamaForCausalLM, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=generator)
 
 
+def _copy_weight(expected: dict[str, torch.Tensor], loaded: set[str], name: str, tensor: torch.Tensor,
+                 source: str) -> None:
+    """A checkpoint tensor into its parameter (RoPE's stored inv_freq is skipped: recomputed)."""
+    if name not in expected:
+        if name.endswith("rotary_emb.inv_freq"):
+            return
+        raise KeyError(f"{source}: unexpected weight {name!r} for this architecture")
+    with torch.no_grad():
+        expected[name].copy_(tensor.to(expected[name].dtype))
+    loaded.add(name)
+
+
+def _check_all_loaded(model: LlamaForCausalLM, expected: dict[str, torch.Tensor], loaded: set[str],
+                      folder: Path) -> None:
+    missing = set(expected) - loaded
+    if model.arch.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+
 def _load_safetensors(model: LlamaForCausalLM, folder: Path, device: torch.device) -> None:
     from safetensors.torch import load_file
 
@@ -95,18 +116,8 @@ def _load_safetensors(model: LlamaForCausalLM, folder: Path, device: torch.devic
     loaded: set[str] = set()
     for file in files:
         for name, tensor in load_file(str(file), device=str(device)).items():
-            if name not in expected:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise KeyError(f"{file.name}: unexpected weight {name!r} for this architecture")
-            with torch.no_grad():
-                expected[name].copy_(tensor.to(expected[name].dtype))
-            loaded.add(name)
-    missing = set(expected) - loaded
-    if model.arch.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+            _copy_weight(expected, loaded, name, tensor, file.name)
+    _check_all_loaded(model, expected, loaded, folder)
 
 
 def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -189,23 +200,13 @@ def _load_quantized_safetensors(model: LlamaForCausalLM, folder: Path, device: t
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in plain.items():
-        if name not in expected:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            raise KeyError(f"unexpected weight {name!r} for this architecture in {folder}")
-        with torch.no_grad():
-            expected[name].copy_(tensor.to(expected[name].dtype))
-        loaded.add(name)
+        _copy_weight(expected, loaded, name, tensor, str(folder))
     for module, weight in weights.items():
         linear = model.get_submodule(module)
         bias = None if linear.bias is None else linear.bias.data
         _replace_module(model, module, Fp8Linear(weight.to(device), scales[module].to(device), bias))
         loaded.add(module + ".weight")
-    missing = set(expected) - loaded
-    if model.arch.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+    _check_all_loaded(model, expected, loaded, folder)
     return kv_scales
 
 

@@ -470,13 +470,18 @@ def gather_kv(
     key_out / value_out (their dtype) on the way."""
     if num_prefills == 0 or max_context_len == 0:
         return
-    if kv_scales is not None:
-        _gather_kv_fp8(key_cache, value_cache, key_out, value_out, block_tables, context_lens, cu_k,
-                       num_decodes, num_prefills, max_context_len, bs_shift, stream, kv_scales)
-        return
-    row_bytes = key_cache.shape[-2] * key_cache.shape[-1] * key_cache.element_size()
-    assert row_bytes % 16 == 0
-    fn = common_module(key_cache.device.index)["gather_kv"]
+    if kv_scales is None:  # rows copied in 16-byte pieces
+        row_bytes = key_cache.shape[-2] * key_cache.shape[-1] * key_cache.element_size()
+        assert row_bytes % 16 == 0
+        fn = common_module(key_cache.device.index)["gather_kv"]
+        pieces, scales = row_bytes // 16, ()
+    else:  # an FP8 cache: 8-byte pieces, dequantized into key_out's dtype
+        assert key_cache.dtype == torch.uint8 and key_out.dtype in CTYPE
+        row_elems = key_cache.shape[-2] * key_cache.shape[-1]
+        assert row_elems % 8 == 0
+        fn = fp8_module(key_out.dtype, key_cache.shape[-1], key_cache.device.index)[
+            f"gather_kv_fp8<{CTYPE[key_out.dtype]}>"]
+        pieces, scales = row_elems // 8, (np.float32(kv_scales[0]), np.float32(kv_scales[1]))
     args = (
         _p(key_cache),
         _p(value_cache),
@@ -488,30 +493,7 @@ def gather_kv(
         _p(cu_k),
         _i32(num_decodes),
         _i32(bs_shift),
-        _i32(row_bytes // 16),
-    )
-    _launch(fn, (-(-max_context_len // 32), num_prefills), 128, args, stream)
-
-
-def _gather_kv_fp8(key_cache, value_cache, key_out, value_out, block_tables, context_lens, cu_k,
-                   num_decodes, num_prefills, max_context_len, bs_shift, stream, kv_scales) -> None:
-    assert key_cache.dtype == torch.uint8 and key_out.dtype in CTYPE
-    row_elems = key_cache.shape[-2] * key_cache.shape[-1]
-    assert row_elems % 8 == 0
-    fn = fp8_module(key_out.dtype, key_cache.shape[-1], key_cache.device.index)[f"gather_kv_fp8<{CTYPE[key_out.dtype]}>"]
-    args = (
-        _p(key_cache),
-        _p(value_cache),
-        _p(key_out),
-        _p(value_out),
-        _p(block_tables),
-        _i32(block_tables.stride(0)),
-        _p(context_lens),
-        _p(cu_k),
-        _i32(num_decodes),
-        _i32(bs_shift),
-        _i32(row_elems // 8),
-        np.float32(kv_scales[0]),
-        np.float32(kv_scales[1]),
+        _i32(pieces),
+        *scales,
     )
     _launch(fn, (-(-max_context_len // 32), num_prefills), 128, args, stream)
