@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 def test_copy_blocks_copies_every_layer_and_nothing_else(dtype):
     from inflightllm.attention.cuda import CudaPagedAttention
 
-    backend = CudaPagedAttention(4, 2, 32, None, max_model_len=1024)
-    backend.allocate_kv_cache(16, 16, 3, 2, 32, dtype, "cuda")
+    backend = CudaPagedAttention(4, 2, 64, None, max_model_len=1024)
+    backend.allocate_kv_cache(16, 16, 3, 2, 64, dtype, "cuda")
     backend.kv_cache.copy_(torch.randn(backend.kv_cache.shape, device="cuda"))  # [layers, 2, blocks, ...]
     before = backend.kv_cache.clone()
     copies = [(1, 5), (7, 2), (3, 11)]
