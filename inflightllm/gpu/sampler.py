@@ -302,10 +302,8 @@ class GpuSampler:
         else:
             token_ids = (torch.argmax(work, dim=-1) if greedy.any()
                          else torch.empty(m, dtype=torch.int64, device=logits.device))
-            top_k = p.top_k[rows]
-            top_k_rows = ~greedy & (top_k > 0) & (top_k <= TOP_K_MAX) & (top_k < vocab)
-            for group, draw in ((np.flatnonzero(top_k_rows), self._sample_top_k),
-                                (np.flatnonzero(~greedy & ~top_k_rows), self._sample_full)):
+            top_k_group, full_group = self._top_k_groups(rows, vocab)
+            for group, draw in ((top_k_group, self._sample_top_k), (full_group, self._sample_full)):
                 if len(group):
                     token_ids = _put(token_ids, group, draw(_take(work, group, self.upload), rows[group]), self.upload)
         result.token_ids = token_ids
@@ -402,12 +400,48 @@ class GpuSampler:
         stacked = self.upload(np.stack([np.asarray(c, np.float32) for c in columns], axis=1))
         return [column[:, None] for column in stacked.unbind(1)]
 
+    def _top_k_groups(self, rows: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of the sampled rows of `rows` on the top-k path and on the full path."""
+        p = self.params
+        sampled = ~p.greedy[rows]
+        top_k = p.top_k[rows]
+        top_k_rows = sampled & (top_k > 0) & (top_k <= TOP_K_MAX) & (top_k < vocab)
+        return np.flatnonzero(top_k_rows), np.flatnonzero(sampled & ~top_k_rows)
+
+    @torch.inference_mode()
+    def distribution(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """[m, vocab] float32: the normalised distribution each row's draw follows, from
+        these logits as they are (no penalties or bans); a greedy row's is its argmax.
+        What the tests compare with the reference's `sampling_distribution`."""
+        rows = np.asarray(rows)
+        m, vocab = logits.shape
+        out = torch.zeros(m, vocab, device=logits.device)
+        out.scatter_(1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
+        top_k_group, full_group = self._top_k_groups(rows, vocab)
+        if len(top_k_group):
+            weights, indices = self._top_k_weights(_take(logits, top_k_group, self.upload), rows[top_k_group])
+            dense = torch.zeros(len(top_k_group), vocab, device=logits.device).scatter_(1, indices, weights)
+            out.index_copy_(0, self.upload(top_k_group), dense)
+        if len(full_group):
+            out.index_copy_(0, self.upload(full_group), self._full_weights(_take(logits, full_group, self.upload),
+                                                                            rows[full_group]))
+        return out / out.sum(dim=-1, keepdim=True)
+
     def _sample_top_k(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """Rows with 0 < top_k <= TOP_K_MAX: [r, vocab] logits (any float dtype) -> [r] ids.
-        One topk of the largest `candidates(top_k)`, sorted; the reference's masks on
-        those: keep >= the k-th, top-p on the cumulative mass in that order (the smallest
-        value whose mass before it is below top_p, and every value at least it), min-p
-        against the top probability."""
+        weights, indices = self._top_k_weights(logits, rows)
+        lengths = candidates(self.params.top_k[rows], logits.shape[1])
+        return indices.gather(1, self._race(weights, rows, lengths)[:, None]).squeeze(1)
+
+    def _sample_full(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        return self._race(self._full_weights(logits, rows), rows, None)
+
+    def _top_k_weights(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with 0 < top_k <= TOP_K_MAX: [r, vocab] logits (any float dtype) -> the
+        [r, c] weights (unnormalised probabilities, 0 = dropped) of the [r, c] ids of one
+        topk of the largest `candidates(top_k)`, sorted. The reference's masks on those:
+        keep >= the k-th; top-p on the cumulative mass in that order (the smallest value
+        whose mass before it is below top_p, and every value at least it); min-p against
+        the top probability."""
         p = self.params
         top_k = p.top_k[rows]
         lengths = candidates(top_k, logits.shape[1])
@@ -424,13 +458,12 @@ class GpuSampler:
         smallest_kept = torch.where(before < top_p, scaled, float("inf")).amin(dim=-1, keepdim=True)
         keep &= (scaled >= smallest_kept) | (top_p >= 1.0)
         keep &= probs >= min_p * probs[:, :1]  # min_p 0 keeps all; the first is the largest
-        choice = self._race(probs.masked_fill(~keep, 0.0), rows, lengths)
-        return indices.gather(1, choice[:, None]).squeeze(1)
+        return probs.masked_fill(~keep, 0.0), indices
 
-    def _sample_full(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """Other sampled rows (no top-k, or top_k > TOP_K_MAX): [r, vocab] -> [r] ids over
-        the whole vocabulary. The k-th largest logit and the top-p threshold come from
-        bisection (`_largest_threshold`), never a sort."""
+    def _full_weights(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Other sampled rows (no top-k, or top_k > TOP_K_MAX): [r, vocab] -> [r, vocab]
+        weights over the whole vocabulary. The k-th largest logit and the top-p threshold
+        come from bisection (`_largest_threshold`), never a sort."""
         p = self.params
         vocab = logits.shape[1]
         top_k, top_p, min_p = p.top_k[rows], p.top_p[rows], p.min_p[rows]
@@ -439,20 +472,21 @@ class GpuSampler:
         big_k = (top_k > 0) & (top_k < vocab)
         if big_k.any():  # rows without one get a count no threshold reaches: nothing masked
             wanted = self.upload(np.where(big_k, top_k, vocab + 1).astype(np.int64))
-            kth = _largest_threshold(scaled, wanted, _count_at_least, torch.full_like(wanted, float("-inf"),
-                                     dtype=torch.float32), scaled.amax(dim=-1))
+            lowest = torch.full(wanted.shape, float("-inf"), device=scaled.device)
+            kth = _largest_threshold(scaled, wanted, _count_at_least, lowest, scaled.amax(dim=-1))
             scaled.masked_fill_(scaled < kth[:, None], float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         del scaled
         if (top_p < 1.0).any():  # rows at 1 get a mass no threshold reaches: nothing masked
             (mass,) = self._settings(rows, np.where(top_p < 1.0, top_p, np.inf))
-            smallest_kept = _largest_threshold(probs, mass[:, 0], _mass_at_least, torch.zeros_like(mass[:, 0]),
+            mass = mass[:, 0]
+            smallest_kept = _largest_threshold(probs, mass, _mass_at_least, torch.zeros_like(mass),
                                                probs.amax(dim=-1))
             probs.masked_fill_(probs < smallest_kept[:, None], 0.0)
         if (min_p > 0).any():
             (minimum,) = self._settings(rows, min_p)
             probs.masked_fill_(probs < minimum * probs.amax(dim=-1, keepdim=True), 0.0)
-        return self._race(probs, rows, None)
+        return probs
 
     def _race(self, probs: torch.Tensor, rows: np.ndarray, lengths: np.ndarray | None) -> torch.Tensor:
         """argmax of probs / E, E ~ Exp(1) per entry: a draw from probs (unnormalised).
