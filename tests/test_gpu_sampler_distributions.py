@@ -33,9 +33,9 @@ def request(params: SamplingParams, prompt=(1, 2, 3), outputs=(), name="r") -> R
     return state
 
 
-def sampler_for(states, seed=0, rows=None) -> tuple[GpuSampler, np.ndarray]:
+def sampler_for(states, seed=0, rows=None, device=CPU) -> tuple[GpuSampler, np.ndarray]:
     rows = np.arange(len(states)) if rows is None else np.asarray(rows)
-    sampler = GpuSampler(CPU, max_rows=int(rows.max()) + 1, seed=seed)
+    sampler = GpuSampler(device, max_rows=int(rows.max()) + 1, seed=seed)
     for row, state in zip(rows, states):
         sampler.add_row(int(row), state)
     return sampler, rows
@@ -83,12 +83,12 @@ def assert_same_law(first: np.ndarray, second: np.ndarray) -> None:
     assert statistic < chi_square_bound(max(len(a) - 1, 1)), statistic
 
 
-def draws(params: SamplingParams, logits: torch.Tensor, count: int, seed: int) -> np.ndarray:
+def draws(params: SamplingParams, logits: torch.Tensor, count: int, seed: int, device=CPU) -> np.ndarray:
     """The GPU sampler's ids for `count` rows of the same logits (one step, one batch)."""
     states = [request(params, name=f"r{i}") for i in range(count)]
-    sampler, rows = sampler_for(states, seed=seed)
-    ids = sampler.sample(logits.expand(count, -1).clone(), rows, states).token_ids
-    return np.bincount(ids.numpy(), minlength=logits.shape[-1])
+    sampler, rows = sampler_for(states, seed=seed, device=device)
+    ids = sampler.sample(logits.to(device).expand(count, -1).clone(), rows, states).token_ids
+    return np.bincount(ids.cpu().numpy(), minlength=logits.shape[-1])
 
 
 SETTINGS = [
@@ -138,12 +138,13 @@ def random_settings(rng: np.random.Generator) -> SamplingParams:
     )
 
 
-def gpu_and_reference(logits: torch.Tensor, settings: list[SamplingParams]):
-    """(row, params, GPU distribution, reference distribution) per row of `logits`."""
-    sampler, rows = sampler_for([request(p, name=f"r{i}") for i, p in enumerate(settings)])
-    got = sampler.distribution(logits, rows)
+def gpu_and_reference(logits: torch.Tensor, settings: list[SamplingParams], device=CPU):
+    """(row, params, GPU distribution, reference distribution) per row of `logits`; the
+    reference's on the CPU, in float32."""
+    sampler, rows = sampler_for([request(p, name=f"r{i}") for i, p in enumerate(settings)], device=device)
+    got = sampler.distribution(logits.to(device), rows).cpu()
     for i, params in enumerate(settings):
-        reference = sampling_distribution(logits[i].clone(), params)
+        reference = sampling_distribution(logits[i].float().cpu().clone(), params)
         yield i, params, got[i], reference / reference.sum()
 
 
@@ -170,25 +171,31 @@ def test_ties_at_the_threshold_are_all_kept():
     top_k equal logits). Nothing else differs."""
     rng = np.random.default_rng(1)
     kinds = {"same": 0, "ties kept": 0, "beyond candidates": 0}
-    for trial in range(60):
+    for _trial in range(60):
         vocab = int(rng.choice([50, 300, 1200]))
         logits = torch.from_numpy(rng.integers(-8, 8, size=(8, vocab)).astype(np.float32))
         for row, params, got, reference in gpu_and_reference(logits, [random_settings(rng) for _ in range(8)]):
-            kept, kept_reference = got > 0, reference > 0
-            if torch.equal(kept, kept_reference):
-                kinds["same"] += 1
-                continue
-            scaled = logits[row] / params.temperature
-            smallest = scaled[kept_reference].min()
-            if (kept_reference & ~kept).any():  # left out: only ties of the k-th past the candidates
-                assert 0 < params.top_k <= TOP_K_MAX, (trial, params)
-                assert int((scaled >= smallest).sum()) > candidates(params.top_k, vocab)
-                assert bool((scaled[kept_reference & ~kept] == smallest).all())
-                kinds["beyond candidates"] += 1
-            else:  # more kept: only ties of the smallest value the reference keeps
-                assert bool((scaled[kept & ~kept_reference] == smallest).all()), (trial, params)
-                kinds["ties kept"] += 1
+            kinds[kept_as_the_reference(logits[row], params, got, reference)] += 1
     assert min(kinds.values()) > 0, kinds  # every case was met
+
+
+def kept_as_the_reference(logits: torch.Tensor, params: SamplingParams, got: torch.Tensor,
+                          reference: torch.Tensor) -> str:
+    """Asserts the GPU sampler's kept set is the reference's but for the documented ties;
+    says which case it was: "same", "ties kept" or "beyond candidates"."""
+    kept, kept_reference = got > 0, reference > 0
+    if torch.equal(kept, kept_reference):
+        return "same"
+    scaled = logits.float().cpu() / params.temperature
+    smallest = scaled[kept_reference].min()
+    if (kept_reference & ~kept).any():  # left out: only ties of the k-th past the candidates
+        assert 0 < params.top_k <= TOP_K_MAX, params
+        assert int((scaled >= smallest).sum()) > candidates(params.top_k, len(scaled)), params
+        assert bool((scaled[kept_reference & ~kept] == smallest).all()), params
+        return "beyond candidates"
+    # more kept: only ties of the smallest value the reference keeps
+    assert bool((scaled[kept & ~kept_reference] == smallest).all()), params
+    return "ties kept"
 
 
 def test_uniform_logits_keep_all_ties_within_the_candidates():
@@ -239,7 +246,7 @@ def test_penalties_equal_the_reference_adjusted_logits_step_after_step(dtype):
         with torch.inference_mode():
             adjusted = sampler._apply_penalties(logits, rows, wants, {})
         expected = reference_adjusted(raw, states)
-        torch.testing.assert_close(adjusted.float(), expected, atol=0, rtol=0)
+        torch.testing.assert_close(adjusted.float(), expected, atol=0, rtol=0, msg=f"step {step}")
         assert torch.equal(logits, raw)  # a penalty row asks for log probs: the raw logits stay
         result = sampler.sample(logits, rows, states)
         for state, token in zip(states, result.token_ids.tolist()):
