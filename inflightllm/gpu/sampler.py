@@ -106,7 +106,8 @@ class PenaltyCounts:
     """Per-row token counts on the device, for the rows with penalties only.
 
     Each penalty row gets a slot: `output_counts[slot]` ([vocab] int32: how often each id
-    was generated) and `prompt_seen[slot]` ([vocab] bool: the id is in the prompt). A row's
+    was generated) and `seen[slot]` ([vocab] bool: the id is in the prompt or was
+    generated: the repetition penalty's set, read without the counts). A row's
     slot is filled from its tokens at its first sampling step (the vocabulary is known
     then) and updated from the sampled ids on the device after each step, so penalties
     need no host copy of the tokens in flight. 5 bytes per id: 0.64 MB per penalty row at
@@ -120,7 +121,7 @@ class PenaltyCounts:
         self.num_slots = 0
         self.vocab = 0
         self.output_counts: torch.Tensor | None = None  # [capacity, vocab] int32
-        self.prompt_seen: torch.Tensor | None = None  # [capacity, vocab] bool
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool
         self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (prompt, outputs) to fill
         self.failed: dict[int, str] = {}  # row -> why its counts could not be filled
 
@@ -154,8 +155,8 @@ class PenaltyCounts:
             seen = torch.zeros(grown, vocab, dtype=torch.bool, device=self.device)
             if capacity:
                 counts[:capacity].copy_(self.output_counts)
-                seen[:capacity].copy_(self.prompt_seen)
-            self.output_counts, self.prompt_seen = counts, seen
+                seen[:capacity].copy_(self.seen)
+            self.output_counts, self.seen = counts, seen
         for row, (prompt, outputs) in self.pending.items():
             bad = [token for token in prompt + outputs if not 0 <= token < vocab]
             if bad:
@@ -163,9 +164,9 @@ class PenaltyCounts:
                 continue
             slot = int(self.slot_of_row[row])
             self.output_counts[slot].zero_()
-            self.prompt_seen[slot].zero_()
-            if prompt:
-                self.prompt_seen[slot].index_fill_(0, upload(np.asarray(prompt, np.int64)), True)
+            self.seen[slot].zero_()
+            if prompt or outputs:
+                self.seen[slot].index_fill_(0, upload(np.asarray(prompt + outputs, np.int64)), True)
             if outputs:
                 ids = upload(np.asarray(outputs, np.int64))
                 self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
@@ -175,6 +176,7 @@ class PenaltyCounts:
         """Count each slot's sampled id (device tensors: nothing waits)."""
         flat = slots * self.vocab + token_ids
         self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        self.seen.view(-1).index_fill_(0, flat, True)
 
 
 @dataclass
@@ -356,16 +358,20 @@ class GpuSampler:
         penalized = np.setdiff1d(penalized, failed)
         if not len(penalized):
             return logits
-        settings = self.upload(np.stack(
-            [p.repetition[rows[penalized]], p.presence[rows[penalized]], p.frequency[rows[penalized]]], axis=1))
-        repetition, presence, frequency = (column[:, None] for column in settings.unbind(1))
-        slots = self.upload(counts.slot_of_row[rows[penalized]])
-        outputs = counts.output_counts.index_select(0, slots)  # [r, vocab] int32
-        seen = counts.prompt_seen.index_select(0, slots) | (outputs > 0)
-        scores = _take(logits, penalized, self.upload).float()  # out of place from here on
-        scores = torch.where(seen, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
-        outputs = outputs.float()
-        scores = scores - (frequency * outputs + presence * (outputs > 0).float())
+        penalty_rows = rows[penalized]
+        repetition, presence, frequency = self._settings(
+            penalty_rows, p.repetition[penalty_rows], p.presence[penalty_rows], p.frequency[penalty_rows])
+        slots = self.upload(counts.slot_of_row[penalty_rows])
+        scores = _take(logits, penalized, self.upload).float()  # [r, vocab], out of place from here on
+        # Each term only where some row has it (the others' would leave their logits as they are).
+        if (p.repetition[penalty_rows] != 1.0).any():
+            seen = counts.seen.index_select(0, slots)  # [r, vocab] bool
+            scores = torch.where(seen, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
+        if (p.presence[penalty_rows] != 0.0).any() or (p.frequency[penalty_rows] != 0.0).any():
+            outputs = counts.output_counts.index_select(0, slots).float()  # [r, vocab]
+            scores = scores - (frequency * outputs + presence * (outputs > 0).float())
+        if scores is logits:
+            scores = scores.clone()
         if len(penalized) == len(rows):
             return scores
         if logits.dtype != torch.float32:
