@@ -149,3 +149,67 @@ def test_every_path_at_llama_3_shape_runs_without_a_host_sync():
         assert got[ids[row]] > 0
     assert 50 <= int((distribution[1] > 0).sum()) <= 100  # top-k 50 (ties up to its candidates)
     assert bool(((ids >= 0) & (ids < vocab)).all())
+
+
+# ---- through the engine ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp32_engine():
+    from inflightllm.engine import Engine
+    from tests.gpu.test_gpu_engine import gpu_config, model_spec
+
+    return Engine(model_spec("float32"), gpu_config(), sampler_seed=0)
+
+
+def generate(engine, prompts, params, arrivals=None):
+    from inflightllm.llm import LLM
+
+    llm = LLM(engine.model_spec, engine=engine, load_tokenizer_too=False)
+    return [result.token_ids for result in llm.generate(prompts, params, arrival_steps=arrivals)]
+
+
+def test_repetition_penalty_through_the_async_engine_equals_transformers(fp32_engine):
+    """Greedy with repetition_penalty 1.3 (transformers' semantics: prompt and output ids),
+    staggered arrivals and preemptions, asynchronous scheduling (the engine no longer waits
+    for the step in flight: the counts follow the sampled ids on the device): the ids equal
+    transformers' generate with the same penalty."""
+    from inflightllm.engine import Engine
+    from tests.gpu.test_gpu_engine import Reference, gpu_config, make_prompts
+
+    engine = Engine(fp32_engine.model_spec, gpu_config(num_kv_blocks=40, max_batch_size=8), sampler_seed=0,
+                    loaded=fp32_engine.loaded)
+    assert engine.runner.penalties_follow_sampled_ids
+    prompts = make_prompts(8, engine.vocab_size, seed=12)
+    params = [SamplingParams(max_tokens=32, repetition_penalty=1.3, ignore_eos=True)] * 8
+    got = generate(engine, prompts, params, [0, 0, 1, 2, 2, 3, 5, 6])
+    assert engine.stats().num_preemptions_total > 0, "the schedule should have preempted"
+    reference = Reference(fp32_engine)
+    for prompt, ids in zip(prompts, got):
+        with torch.inference_mode():
+            tokens = torch.tensor([prompt], device=reference.model.device)
+            expected = reference.model.generate(
+                tokens, max_new_tokens=32, do_sample=False, repetition_penalty=1.3, attention_mask=torch.ones_like(tokens),
+                pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert ids == expected
+
+
+def test_presence_and_frequency_penalties_async_equal_sync(fp32_engine):
+    """Presence and frequency penalties (and a sampled, seeded penalty row) beside plain rows:
+    the asynchronous engine's ids equal the synchronous engine's."""
+    from inflightllm.engine import Engine
+    from tests.gpu.test_gpu_engine import gpu_config, make_prompts
+
+    prompts = make_prompts(6, fp32_engine.vocab_size, seed=13)
+    params = [SamplingParams(max_tokens=24, presence_penalty=1.5, ignore_eos=True),
+              SamplingParams(max_tokens=24, frequency_penalty=1.2, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, top_k=40, repetition_penalty=1.2, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=24, presence_penalty=-0.5, frequency_penalty=0.7, logprobs=True,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, frequency_penalty=0.5, seed=6, ignore_eos=True)]
+    results = {}
+    for mode in (True, False):
+        engine = Engine(fp32_engine.model_spec, gpu_config(async_scheduling=mode), sampler_seed=0,
+                        loaded=fp32_engine.loaded)
+        results[mode] = generate(engine, prompts, params, [0, 0, 1, 1, 2, 4])
+    assert results[True] == results[False]
+    assert all(len(ids) == 24 for ids in results[True])
