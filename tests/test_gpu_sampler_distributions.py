@@ -163,6 +163,25 @@ def test_kept_sets_and_probabilities_equal_the_reference_on_random_logits():
     assert compared == 480
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_keep_the_reference_sets(dtype):
+    """16-bit logits as the LM head gives them (the whole-row path bisects over their 16-bit
+    patterns, 16 rounds): the kept sets are the reference's on their float32 copy, but for
+    the documented ties (frequent at 8 or 11 mantissa bits), and where they are the same so
+    are the probabilities."""
+    rng = np.random.default_rng(2)
+    kinds = {"same": 0, "ties kept": 0, "beyond candidates": 0}
+    for _trial in range(40):
+        vocab = int(rng.choice([300, 1200]))
+        logits = torch.from_numpy(rng.normal(size=(8, vocab)).astype(np.float32) * 3).to(dtype)
+        for row, params, got, reference in gpu_and_reference(logits, [random_settings(rng) for _ in range(8)]):
+            kind = kept_as_the_reference(logits[row], params, got, reference)
+            kinds[kind] += 1
+            if kind == "same":
+                torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
+    assert kinds["same"] > 250, kinds
+
+
 def test_ties_at_the_threshold_are_all_kept():
     """Logits with many ties (small integers): where the kept sets differ, the GPU sampler
     keeps every token tied with the smallest value the reference keeps (the reference's

@@ -9,9 +9,10 @@ match the CPU reference sampler (`inflightllm/sampler.py`); how, and where ties 
   with the k-th are kept as the reference keeps them). top-p, min-p, the softmax and the
   draw then run on those [rows, k] candidates only.
 - Other sampled rows (top-p without top-k, or top_k > TOP_K_MAX) find their top-k and
-  top-p thresholds by bisection over the float32 bit patterns: a fixed number of batched
-  reductions (count of logits >= t, mass of probabilities >= t), no sort and no host
-  sync. The threshold found is exactly the smallest kept value of the reference.
+  top-p thresholds by bisection over the logits' bit patterns: a fixed number of batched
+  reductions (16 for bf16/fp16 logits, 32 for float32: the count of logits >= t, the
+  mass of the probabilities of logits >= t), no sort and no host sync. The threshold
+  found is exactly the smallest logit the reference keeps.
 - The draw is the exponential race (argmax of p / E with E ~ Exp(1)), which samples from
   p. A seeded row draws its own E, of a length fixed by its own settings: its tokens do
   not depend on its batch neighbours.
@@ -468,27 +469,32 @@ class GpuSampler:
 
     def _full_weights(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """Other sampled rows (no top-k, or top_k > TOP_K_MAX): [r, vocab] -> [r, vocab]
-        weights over the whole vocabulary. The k-th largest logit and the top-p threshold
-        come from bisection (`_largest_threshold`), never a sort."""
+        weights over the whole vocabulary. The k-th largest logit and the smallest logit
+        top-p keeps come from bisection (`_largest_threshold`) over the logits as given
+        (16-bit logits: 16 rounds; float32: 32), never a sort. Dividing by a temperature
+        keeps the order, so thresholds on the given logits are thresholds on the scaled."""
         p = self.params
         vocab = logits.shape[1]
         top_k, top_p, min_p = p.top_k[rows], p.top_p[rows], p.min_p[rows]
         (temperature,) = self._settings(rows, p.temperature[rows])
         scaled = logits / temperature  # [r, vocab] float32 (a 16-bit input is promoted)
+        lowest = torch.full((len(rows),), float("-inf"), dtype=logits.dtype, device=logits.device)
+        highest = logits.amax(dim=-1)  # [r]: above it, nothing counts
         big_k = (top_k > 0) & (top_k < vocab)
         if big_k.any():  # rows without one get a count no threshold reaches: nothing masked
             wanted = self.upload(np.where(big_k, top_k, vocab + 1).astype(np.int64))
-            lowest = torch.full(wanted.shape, float("-inf"), device=scaled.device)
-            kth = _largest_threshold(scaled, wanted, _count_at_least, lowest, scaled.amax(dim=-1))
-            scaled.masked_fill_(scaled < kth[:, None], float("-inf"))
+            kth = _largest_threshold(wanted, lambda t: (logits >= t[:, None]).sum(dim=-1), lowest, highest)
+            scaled.masked_fill_(logits < kth[:, None], float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         del scaled
         if (top_p < 1.0).any():  # rows at 1 get a mass no threshold reaches: nothing masked
             (mass,) = self._settings(rows, np.where(top_p < 1.0, top_p, np.inf))
-            mass = mass[:, 0]
-            smallest_kept = _largest_threshold(probs, mass, _mass_at_least, torch.zeros_like(mass),
-                                               probs.amax(dim=-1))
-            probs.masked_fill_(probs < smallest_kept[:, None], 0.0)
+
+            def mass_at_least(t):
+                return torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1)
+
+            smallest_kept = _largest_threshold(mass[:, 0], mass_at_least, lowest, highest)
+            probs.masked_fill_(logits < smallest_kept[:, None], 0.0)
         if (min_p > 0).any():
             (minimum,) = self._settings(rows, min_p)
             probs.masked_fill_(probs < minimum * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -509,42 +515,41 @@ class GpuSampler:
         return torch.argmax(probs / noise, dim=-1)
 
 
-def _count_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    return (values >= threshold[:, None]).sum(dim=-1)
-
-
-def _mass_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    return torch.where(values >= threshold[:, None], values, 0.0).sum(dim=-1)
-
-
 def _float_key(values: torch.Tensor) -> torch.Tensor:
-    """float32 -> int64 with the same order (-0.0 just below +0.0)."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    """float32/bf16/fp16 -> int64 with the same order (-0.0 just below +0.0)."""
+    bits = values.contiguous().view(_BITS[values.element_size()]).to(torch.int64)
+    sign_free = (1 << (8 * values.element_size() - 1)) - 1  # every bit but the sign's
+    return torch.where(bits >= 0, bits, bits ^ sign_free)
 
 
-def _key_float(keys: torch.Tensor) -> torch.Tensor:
-    return torch.where(keys >= 0, keys, keys ^ 0x7FFFFFFF).to(torch.int32).view(torch.float32)
+def _key_float(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    sign_free = (1 << (8 * size - 1)) - 1
+    return torch.where(keys >= 0, keys, keys ^ sign_free).to(_BITS[size]).view(dtype)
 
 
-def _largest_threshold(values, target, measure, low, high) -> torch.Tensor:
-    """Per row, the largest float32 t with measure(values, t) >= target, where measure
-    (of the entries >= t: their count, or their mass) falls as t rises; `low` [r] meets the
-    target (or is returned), `high` [r] is the row's largest value (t above it measures 0).
+_BITS = {2: torch.int16, 4: torch.int32}
 
-    Bisection over the floats' bit patterns (ordered as integers): 32 halvings cover every
-    float32, so the answer is exact; and as the measure only changes at the row's values,
-    the largest t is one of them: the k-th largest logit for a count of k, the smallest
-    value top-p keeps for a mass of top_p. A fixed number of batched reductions, no sort,
-    no host sync."""
+
+def _largest_threshold(target: torch.Tensor, measure, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest float t (of low's dtype) with measure(t) >= target, where
+    measure(t) [r] (the count, or the mass, of a row's entries >= t) falls as t rises;
+    `low` [r] meets the target (or is returned), `high` [r] is the row's largest entry
+    (above it the measure is 0).
+
+    Bisection over the floats' bit patterns, ordered as integers: 16 or 32 halvings cover
+    every 16- or 32-bit float, so the answer is exact; and as the measure only changes at
+    the row's values, the largest t is one of them: the k-th largest logit for a count of
+    k, the smallest logit top-p keeps for a mass of top_p. A fixed number of batched
+    reductions, no sort, no host sync."""
     lo = _float_key(low)
     hi = _float_key(high) + 1  # measures 0 < target
-    for _ in range(32):
+    for _ in range(8 * low.element_size()):
         mid = torch.div(lo + hi, 2, rounding_mode="floor")
-        reached = measure(values, _key_float(mid)) >= target
+        reached = measure(_key_float(mid, low.dtype)) >= target
         lo = torch.where(reached, mid, lo)
         hi = torch.where(reached, hi, mid)
-    return _key_float(lo)
+    return _key_float(lo, low.dtype)
 
 
 def _take(tensor: torch.Tensor, index: np.ndarray, upload) -> torch.Tensor:
