@@ -269,7 +269,6 @@ class GpuSampler:
         """Sample and wait: returns (token_ids list, logprobs list|None, top ids, top logprobs)."""
         return self.sample(logits, rows, requests).to_host().lists()
 
-
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
                output_counts: np.ndarray | None = None) -> SampleResult:
