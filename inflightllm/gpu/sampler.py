@@ -360,7 +360,7 @@ class GpuSampler:
             return logits
         penalty_rows = rows[penalized]
         repetition, presence, frequency = self._settings(
-            penalty_rows, p.repetition[penalty_rows], p.presence[penalty_rows], p.frequency[penalty_rows])
+            p.repetition[penalty_rows], p.presence[penalty_rows], p.frequency[penalty_rows])
         slots = self.upload(counts.slot_of_row[penalty_rows])
         scores = _take(logits, penalized, self.upload).float()  # [r, vocab], out of place from here on
         # Each term only where some row has it (the others' would leave their logits as they are).
@@ -401,8 +401,8 @@ class GpuSampler:
         _fill_neg_inf(logits, self.upload(flat))
 
     # ---- the draws ------------------------------------------------------------------------
-    def _settings(self, rows: np.ndarray, *columns: np.ndarray) -> list[torch.Tensor]:
-        """Per-row float settings of `rows` as [r, 1] device tensors, in one upload."""
+    def _settings(self, *columns: np.ndarray) -> list[torch.Tensor]:
+        """Per-row float settings ([r] host arrays) as [r, 1] float32 device tensors, in one upload."""
         stacked = self.upload(np.stack([np.asarray(c, np.float32) for c in columns], axis=1))
         return [column[:, None] for column in stacked.unbind(1)]
 
@@ -452,7 +452,7 @@ class GpuSampler:
         top_k = p.top_k[rows]
         lengths = candidates(top_k, logits.shape[1])
         temperature, top_p, min_p, kth_index, length = self._settings(
-            rows, p.temperature[rows], p.top_p[rows], p.min_p[rows], top_k - 1, lengths)
+            p.temperature[rows], p.top_p[rows], p.min_p[rows], top_k - 1, lengths)
         values, indices = torch.topk(logits, int(lengths.max()), dim=-1)  # [r, c] descending
         scaled = values.float() / temperature  # temperature > 0 keeps the order
         position = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
@@ -475,7 +475,7 @@ class GpuSampler:
         p = self.params
         vocab = logits.shape[1]
         top_k, top_p, min_p = p.top_k[rows], p.top_p[rows], p.min_p[rows]
-        (temperature,) = self._settings(rows, p.temperature[rows])
+        (temperature,) = self._settings(p.temperature[rows])
         scaled = logits / temperature  # [r, vocab] float32 (a 16-bit input is promoted)
         lowest = torch.full((len(rows),), float("-inf"), dtype=logits.dtype, device=logits.device)
         highest = logits.amax(dim=-1)  # [r]: above it, nothing counts
@@ -487,7 +487,7 @@ class GpuSampler:
         probs = torch.softmax(scaled, dim=-1)
         del scaled
         if (top_p < 1.0).any():  # rows at 1 get a mass no threshold reaches: nothing masked
-            (mass,) = self._settings(rows, np.where(top_p < 1.0, top_p, np.inf))
+            (mass,) = self._settings(np.where(top_p < 1.0, top_p, np.inf))
 
             def mass_at_least(t):
                 return torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1)
@@ -495,7 +495,7 @@ class GpuSampler:
             smallest_kept = _largest_threshold(mass[:, 0], mass_at_least, lowest, highest)
             probs.masked_fill_(logits < smallest_kept[:, None], 0.0)
         if (min_p > 0).any():
-            (minimum,) = self._settings(rows, min_p)
+            (minimum,) = self._settings(min_p)
             probs.masked_fill_(probs < minimum * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
