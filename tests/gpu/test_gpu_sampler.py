@@ -147,7 +147,7 @@ def test_every_path_at_llama_3_shape_runs_without_a_host_sync():
         got = distribution[row].cpu()
         kept_as_the_reference(logits[row].cpu(), kinds[row], got, reference / reference.sum())
         assert got[ids[row]] > 0
-    assert 50 <= int((distribution[1] > 0).sum()) <= 100  # top-k 50 (ties up to its candidates)
+    assert 1 <= int((distribution[1] > 0).sum()) <= 100  # top-k 50 then top-p (ties up to its candidates)
     assert bool(((ids >= 0) & (ids < vocab)).all())
 
 
