@@ -151,7 +151,7 @@ class PenaltyCounts:
         self.vocab = vocab
         capacity = 0 if self.output_counts is None else self.output_counts.shape[0]
         if self.num_slots > capacity:
-            grown = max(self.num_slots, 2 * capacity, 8)
+            grown = min(max(self.num_slots, 2 * capacity, 8), len(self.slot_of_row))  # at most a slot per row
             counts = torch.zeros(grown, vocab, dtype=torch.int32, device=self.device)
             seen = torch.zeros(grown, vocab, dtype=torch.bool, device=self.device)
             if capacity:
