@@ -310,6 +310,30 @@ def test_a_row_that_joins_again_rebuilds_its_counts():
     assert adjusted[0, 3] == 0.0 and adjusted[0, 4] == -1.0
 
 
+def test_penalty_slots_grow_and_keep_the_counts_they_hold():
+    """Penalty rows arriving in waves grow the device counts (8 slots, then 16, then the
+    20 rows): rows counted before a growth keep their counts, sampled ids included."""
+    vocab = 25
+    params = SamplingParams(frequency_penalty=0.7, repetition_penalty=1.2)
+    states = [request(params, outputs=(i % vocab,), name=f"r{i}") for i in range(20)]
+    sampler = GpuSampler(CPU, max_rows=20, seed=0)
+    generator = torch.Generator().manual_seed(3)
+    previous = 0
+    for joined in (3, 12, 20):
+        for row in range(previous, joined):
+            sampler.add_row(row, states[row])
+        previous = joined
+        rows = np.arange(joined)
+        logits = torch.randn(joined, vocab, generator=generator)
+        with torch.inference_mode():
+            adjusted = sampler._apply_penalties(logits, rows, np.zeros(joined, bool), {})
+        torch.testing.assert_close(adjusted, reference_adjusted(logits, states[:joined]), atol=0, rtol=0)
+        ids = sampler.sample(logits, rows, states[:joined]).token_ids.tolist()
+        for state, token in zip(states, ids):
+            state.token_ids.append(token)
+    assert sampler.penalty_counts.output_counts.shape[0] == 20
+
+
 # ---- log probs ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_log_probs_equal_log_softmax_of_the_raw_logits(dtype):
