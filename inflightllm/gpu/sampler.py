@@ -352,12 +352,13 @@ class GpuSampler:
         if not len(penalized):
             return logits
         counts.fill_pending(logits.shape[1], self.upload)
-        failed = [index for index in penalized if int(rows[index]) in counts.failed]
-        for index in failed:
-            errors[int(index)] = counts.failed[int(rows[index])]
-        penalized = np.setdiff1d(penalized, failed)
-        if not len(penalized):
-            return logits
+        if counts.failed:  # (rare: no per-row Python loop otherwise)
+            failed = [index for index in penalized if int(rows[index]) in counts.failed]
+            for index in failed:
+                errors[int(index)] = counts.failed[int(rows[index])]
+            penalized = np.setdiff1d(penalized, failed)
+            if not len(penalized):
+                return logits
         penalty_rows = rows[penalized]
         repetition, presence, frequency = self._settings(
             p.repetition[penalty_rows], p.presence[penalty_rows], p.frequency[penalty_rows])
