@@ -262,6 +262,9 @@ class Engine:
         # the tokens of the step before it (emitted meanwhile). Other runners (tensor
         # parallel) get the masks in the step, which then waits for the step in flight.
         self._defer_masks = self.async_scheduling and bool(getattr(self.runner, "defers_guided_sampling", False))
+        # A runner whose sampler counts the sampled ids on the device (the GPU runner) needs
+        # no host copy of the tokens in flight for penalties: only bad words wait for them.
+        self._penalties_on_device = bool(getattr(self.runner, "penalties_follow_sampled_ids", False))
         # Sequence groups by client request id; group leaders still to fork; sequences whose
         # runner state is stale (copy-on-write, beam reassignment): sent whole next step.
         self.groups: dict[str, SequenceGroup] = {}
@@ -821,9 +824,11 @@ class Engine:
         # Beam search picks the next tokens on the host: nothing runs ahead of it.
         if self._num_beam_groups > 0:
             return True
+        needs = (lambda request: bool(request.banned_multi)) if self._penalties_on_device else (
+            lambda request: request.needs_history)
         if self._defer_masks:
-            return any(request.needs_history for request in self.scheduler.running)
-        return any(request.needs_history or request.guided is not None for request in self.scheduler.running)
+            return any(needs(request) for request in self.scheduler.running)
+        return any(needs(request) or request.guided is not None for request in self.scheduler.running)
 
     def _resolve(self, outputs: list[RequestOutput]) -> None:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""

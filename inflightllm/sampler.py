@@ -107,22 +107,31 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:
         params = request.params
-        row = row / params.temperature
-        if params.top_k > 0 and params.top_k < row.shape[0]:
-            kth = torch.topk(row, params.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Drop tokens once the mass before them already reaches top_p (keep >= 1).
-            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
-            drop_sorted[0] = False
-            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-            row = row.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if params.min_p > 0.0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = sampling_distribution(row, params)
         if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
             raise SamplingError(f"the sampling distribution is not finite (temperature {params.temperature})")
         generator = request.generator if request.generator is not None else self.generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_distribution(row: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a sampled row draws from ([vocab], not normalised after min-p):
+    temperature, then top-k (every logit >= the k-th largest), top-p (drop a token once
+    the mass before it in descending order reaches top_p; keep the first), min-p. The
+    semantics every sampler matches (the GPU sampler's tests compare with this)."""
+    row = row / params.temperature
+    if params.top_k > 0 and params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop tokens once the mass before them already reaches top_p (keep >= 1).
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        row = row.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs

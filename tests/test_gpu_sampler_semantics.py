@@ -137,7 +137,7 @@ def test_min_tokens_bans_every_stop_id_of_each_row_below_its_minimum_at_once():
     rows = np.array([5, 1, 3, 0])
     for row, state in zip(rows, states):
         sampler.add_row(int(row), state)
-    assert not sampler.params.special[rows].any()  # no row is adjusted one by one
+    assert not sampler.params.bans[rows].any()  # no row is adjusted one by one
     logits = random_logits(4)
     logits[:, 2] = 50.0  # EOS would win everywhere
     logits[0, 9] = 60.0  # and stop id 9 in row 0

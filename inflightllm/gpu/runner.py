@@ -61,6 +61,9 @@ class GpuModelRunner:
     # A step whose constrained rows' masks are not in it yet samples on `sample_guided`
     # (the engine fills them while the forward runs: asynchronous scheduling).
     defers_guided_sampling = True
+    # Its sampler keeps penalty rows' token counts on the device, updated from the sampled
+    # ids: penalties need no wait for the step in flight (the engine's `_needs_history`).
+    penalties_follow_sampled_ids = True
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int | None, sampler_seed: int | None):
         from inflightllm.attention.cuda.backend import CudaPagedAttention

@@ -1,13 +1,31 @@
-"""Batched sampling on the GPU: one set of tensor ops for the whole step.
+"""Batched sampling on the GPU: one set of tensor ops for the whole step, no full sort.
 
 Per-row settings live in host arrays indexed by the runner's persistent rows (written
-once when a request joins) and go to the device as one tensor per step. Greedy,
-temperature, top-k, top-p and min-p are vectorised over the batch; the random draw is
-the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p. Rows with
-their own seed draw E from their own generator, and the rare rows with penalties or
-banned tokens are adjusted first; only those rows are visited one by one. Semantics
-match the CPU reference sampler (`inflightllm/sampler.py`); log probs are of the raw
-model distribution. One device-to-host copy returns the ids (and log probs when asked).
+once when a request joins) and go to the device as small tensors per step. Semantics
+match the CPU reference sampler (`inflightllm/sampler.py`); how, and where ties go:
+
+- Top-k rows (0 < top_k <= TOP_K_MAX): one `torch.topk` over those rows takes each row's
+  best `candidates(top_k)` logits, sorted (a few more than top_k, so that the logits tied
+  with the k-th are kept as the reference keeps them). top-p, min-p, the softmax and the
+  draw then run on those [rows, k] candidates only.
+- Other sampled rows (top-p without top-k, or top_k > TOP_K_MAX) find their top-k and
+  top-p thresholds by bisection over the logits' bit patterns: a fixed number of batched
+  reductions (16 for bf16/fp16 logits, 32 for float32: the count of logits >= t, the
+  mass of the probabilities of logits >= t), no sort and no host sync. The threshold
+  found is exactly the smallest logit the reference keeps.
+- The draw is the exponential race (argmax of p / E with E ~ Exp(1)), which samples from
+  p. A seeded row draws its own E, of a length fixed by its own settings: its tokens do
+  not depend on its batch neighbours.
+- Penalties read per-row token counts kept on the device (`PenaltyCounts`), updated from
+  the sampled ids on the device: all penalty rows in one set of ops, no host round trip.
+- Log probs are of the raw model distribution: one log-sum-exp per row, the chosen logit
+  and a top-k of the raw logits minus it; no [rows, vocab] log-softmax tensor.
+
+Ties: a token whose value equals the smallest kept value is kept (top-k and top-p alike;
+the reference's top-k does the same, its top-p keeps those tied tokens its sort happens
+to put first). A top-k row considers only its first `candidates(top_k)` logits.
+Bans (bad words) are the rare rows visited one by one. One device-to-host copy returns
+the ids (and log probs when asked).
 """
 
 from __future__ import annotations
@@ -20,6 +38,17 @@ import torch
 from inflightllm.request import Request
 from inflightllm.sampler import _tail_matches
 
+# Rows with top_k up to this take the top-k path (torch.topk of candidates(top_k) <= 1,024
+# logits per row); larger top_k find their threshold by bisection over the whole row.
+TOP_K_MAX = 512
+
+
+def candidates(top_k: np.ndarray | int, vocab: int):
+    """Logits a top-k row considers: its k and as many again (at least 16), so that the
+    logits tied with the k-th (frequent with bf16 logits) are kept as the reference keeps
+    them; capped at the vocabulary."""
+    return np.minimum(vocab, top_k + np.maximum(top_k, 16))
+
 
 @dataclass
 class RowParams:
@@ -30,7 +59,11 @@ class RowParams:
     top_p: np.ndarray
     min_p: np.ndarray
     greedy: np.ndarray
-    special: np.ndarray  # penalties, bans or bad words: adjusted row by row
+    bans: np.ndarray  # bad words: adjusted row by row
+    penalized: np.ndarray  # repetition, presence or frequency penalty: batched on device counts
+    repetition: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
     min_tokens: np.ndarray  # stop ids banned (all such rows at once) while fewer outputs
     top_logprobs: np.ndarray
     wants_logprobs: np.ndarray
@@ -43,7 +76,11 @@ class RowParams:
             top_p=np.ones(rows, np.float32),
             min_p=np.zeros(rows, np.float32),
             greedy=np.ones(rows, bool),
-            special=np.zeros(rows, bool),
+            bans=np.zeros(rows, bool),
+            penalized=np.zeros(rows, bool),
+            repetition=np.ones(rows, np.float32),
+            presence=np.zeros(rows, np.float32),
+            frequency=np.zeros(rows, np.float32),
             min_tokens=np.zeros(rows, np.int64),
             top_logprobs=np.zeros(rows, np.int64),
             wants_logprobs=np.zeros(rows, bool),
@@ -56,10 +93,91 @@ class RowParams:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.special[row] = bool(params.needs_penalties or request.banned_single or request.banned_multi)
+        self.bans[row] = bool(request.banned_single or request.banned_multi)
+        self.penalized[row] = params.needs_penalties
+        self.repetition[row] = params.repetition_penalty
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
         self.min_tokens[row] = params.min_tokens if request.stop_token_ids else 0
         self.top_logprobs[row] = params.top_logprobs
         self.wants_logprobs[row] = params.logprobs or params.top_logprobs > 0
+
+
+class PenaltyCounts:
+    """Per-row token counts on the device, for the rows with penalties only.
+
+    Each penalty row gets a slot: `output_counts[slot]` ([vocab] int32: how often each id
+    was generated) and `seen[slot]` ([vocab] bool: the id is in the prompt or was
+    generated: the repetition penalty's set, read without the counts). A row's
+    slot is filled from its tokens at its first sampling step (the vocabulary is known
+    then) and updated from the sampled ids on the device after each step, so penalties
+    need no host copy of the tokens in flight. 5 bytes per id: 0.64 MB per penalty row at
+    Llama 3's 128,256 ids (0.66 GB for 1,024 penalty rows); the slots grow by doubling as
+    penalty rows arrive."""
+
+    def __init__(self, device: torch.device, max_rows: int):
+        self.device = device
+        self.slot_of_row = np.full(max_rows, -1, np.int64)
+        self.free_slots: list[int] = []
+        self.num_slots = 0
+        self.vocab = 0
+        self.output_counts: torch.Tensor | None = None  # [capacity, vocab] int32
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool
+        self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (prompt, outputs) to fill
+        self.failed: dict[int, str] = {}  # row -> why its counts could not be filled
+
+    def add_row(self, row: int, request: Request) -> None:
+        self.remove_row(row)
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot = self.num_slots
+            self.num_slots += 1
+        self.slot_of_row[row] = slot
+        self.pending[row] = (list(request.prompt_token_ids), list(request.output_token_ids))
+
+    def remove_row(self, row: int) -> None:
+        slot = int(self.slot_of_row[row])
+        if slot >= 0:
+            self.free_slots.append(slot)
+            self.slot_of_row[row] = -1
+        self.pending.pop(row, None)
+        self.failed.pop(row, None)
+
+    def fill_pending(self, vocab: int, upload) -> None:
+        """Allocate (or grow) the slots for this vocabulary and fill the new rows' counts."""
+        if self.vocab not in (0, vocab):
+            raise ValueError(f"logits of {vocab} ids after logits of {self.vocab}: the vocabulary cannot change")
+        self.vocab = vocab
+        capacity = 0 if self.output_counts is None else self.output_counts.shape[0]
+        if self.num_slots > capacity:
+            grown = min(max(self.num_slots, 2 * capacity, 8), len(self.slot_of_row))  # at most a slot per row
+            counts = torch.zeros(grown, vocab, dtype=torch.int32, device=self.device)
+            seen = torch.zeros(grown, vocab, dtype=torch.bool, device=self.device)
+            if capacity:
+                counts[:capacity].copy_(self.output_counts)
+                seen[:capacity].copy_(self.seen)
+            self.output_counts, self.seen = counts, seen
+        for row, (prompt, outputs) in self.pending.items():
+            bad = [token for token in prompt + outputs if not 0 <= token < vocab]
+            if bad:
+                self.failed[row] = f"sampling failed: IndexError: token id {bad[0]} is outside the {vocab} logits"
+                continue
+            slot = int(self.slot_of_row[row])
+            self.output_counts[slot].zero_()
+            self.seen[slot].zero_()
+            if prompt or outputs:
+                self.seen[slot].index_fill_(0, upload(np.asarray(prompt + outputs, np.int64)), True)
+            if outputs:
+                ids = upload(np.asarray(outputs, np.int64))
+                self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self.pending.clear()
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count each slot's sampled id (device tensors: nothing waits)."""
+        flat = slots * self.vocab + token_ids
+        self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        self.seen.view(-1).index_fill_(0, flat, True)
 
 
 @dataclass
@@ -122,6 +240,7 @@ class GpuSampler:
             self.generator.manual_seed(seed)
         self.row_generators: dict[int, torch.Generator] = {}
         self.stop_ids: dict[int, np.ndarray] = {}  # row -> its stop ids, for rows with min_tokens
+        self.penalty_counts = PenaltyCounts(device, max_rows)
 
     def add_row(self, row: int, request: Request) -> None:
         self.params.set_row(row, request)
@@ -135,10 +254,15 @@ class GpuSampler:
             self.row_generators[row] = generator
         else:
             self.row_generators.pop(row, None)
+        if self.params.penalized[row]:
+            self.penalty_counts.add_row(row, request)
+        else:
+            self.penalty_counts.remove_row(row)
 
     def remove_row(self, row: int) -> None:
         self.row_generators.pop(row, None)
         self.stop_ids.pop(row, None)
+        self.penalty_counts.remove_row(row)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request]):
@@ -153,35 +277,109 @@ class GpuSampler:
         the tokens each has generated (in flight included), for min_tokens. Returns
         device tensors; nothing waits.
 
-        16-bit logits are converted to float32 first unless every row is greedy with no
-        log probs, penalties or bans: an argmax is the same on either (the conversion is
-        exact and both take the first maximum), and a greedy step at batch 1,024 skips
-        writing and rereading [1,024, vocab] float32 logits (0.5 GB for Llama 3)."""
+        16-bit logits are never converted as a whole unless penalty rows share the step
+        with other rows: greedy rows take the argmax of the 16-bit logits (the conversion
+        is exact and both take the first maximum), top-k rows convert only their
+        candidates, the other sampled rows as they divide by the temperature, and log
+        probs sum in float32. A greedy step at batch 1,024 (Llama 3) so skips writing and
+        rereading [1,024, vocab] float32 logits (0.5 GB)."""
+        rows = np.asarray(rows)
         p = self.params
-        wants, greedy, special = p.wants_logprobs[rows], p.greedy[rows], p.special[rows]
-        any_wants, all_greedy, specials = wants.any(), greedy.all(), np.flatnonzero(special)
-        if logits.dtype != torch.float32 and not (all_greedy and not any_wants and not len(specials)):
-            logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants else None
-        errors: dict[int, str] = {}
-        for index in specials:
+        m, vocab = logits.shape
+        wants, greedy, top_counts = p.wants_logprobs[rows], p.greedy[rows], p.top_logprobs[rows]
+        result = SampleResult(token_ids=None, wants=wants, top_counts=top_counts)
+        asking = np.flatnonzero(wants)
+        lse = self._raw_logprob_stats(logits, asking, top_counts, result) if len(asking) else None
+
+        work = self._apply_penalties(logits, rows, wants, result.errors)
+        for index in np.flatnonzero(p.bans[rows]):
             try:
-                _adjust_row(logits[index], requests[index], self.upload)
+                _ban_row(work[index], requests[index], self.upload)
             except Exception as error:  # noqa: BLE001 - this request fails alone
-                errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
-        self._ban_stops_before_min_tokens(logits, rows, requests, output_counts)
-        token_ids = torch.argmax(logits, dim=-1)
-        if not all_greedy:
-            token_ids = torch.where(
-                self.upload(greedy), token_ids, self._sample(logits, rows)
-            )
-        result = SampleResult(token_ids=token_ids, wants=wants, top_counts=p.top_logprobs[rows], errors=errors)
-        if raw_logprobs is not None:
-            result.chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-            k_max = int(result.top_counts.max())
-            if k_max:
-                result.top_values, result.top_indices = torch.topk(raw_logprobs, k_max, dim=-1)
+                result.errors[int(index)] = f"sampling failed: {type(error).__name__}: {error}"
+        self._ban_stops_before_min_tokens(work, rows, requests, output_counts)
+
+        if greedy.all():
+            token_ids = torch.argmax(work, dim=-1)
+        else:
+            token_ids = (torch.argmax(work, dim=-1) if greedy.any()
+                         else torch.empty(m, dtype=torch.int64, device=logits.device))
+            top_k_group, full_group = self._top_k_groups(rows, vocab)
+            for group, draw in ((top_k_group, self._sample_top_k), (full_group, self._sample_full)):
+                if len(group):
+                    token_ids = _put(token_ids, group, draw(_take(work, group, self.upload), rows[group]), self.upload)
+        result.token_ids = token_ids
+
+        penalized = np.flatnonzero(p.penalized[rows])
+        if len(penalized):  # the counts follow the sampled ids on the device
+            slots = self.upload(self.penalty_counts.slot_of_row[rows[penalized]])
+            self.penalty_counts.record(slots, _take(token_ids, penalized, self.upload))
+        if lse is not None:
+            # The logits at the chosen ids are raw: bans never hit a chosen id, and
+            # penalties went to a copy where a row asks for log probs.
+            chosen = logits.gather(1, token_ids[:, None]).squeeze(1).float()
+            chosen = _take(chosen, asking, self.upload) - lse
+            result.chosen = _put(torch.zeros(m, device=logits.device), asking, chosen, self.upload)
         return result
+
+    # ---- log probs ----------------------------------------------------------------------
+    def _raw_logprob_stats(self, logits, asking, top_counts, result) -> torch.Tensor:
+        """The log-sum-exp of the rows asking for log probs ([w] float32) and their top log
+        probs into `result` (a topk of the raw logits, the order of a topk of the log probs)."""
+        raw = _take(logits, asking, self.upload)  # [w, vocab]
+        maxima = raw.amax(dim=-1, keepdim=True).float()  # [w, 1]
+        # one [w, vocab] float32 temporary, exponentiated in place
+        lse = maxima.squeeze(1) + torch.sub(raw, maxima).exp_().sum(dim=-1).log_()
+        k_max = int(top_counts.max())
+        if k_max:
+            m = len(top_counts)
+            values, indices = torch.topk(raw, k_max, dim=-1)
+            values = values.float() - lse[:, None]
+            result.top_values = _put(torch.zeros(m, k_max, device=logits.device), asking, values, self.upload)
+            result.top_indices = _put(torch.zeros(m, k_max, dtype=torch.int64, device=logits.device), asking,
+                                      indices, self.upload)
+        return lse
+
+    # ---- penalties and bans ---------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: np.ndarray, wants: np.ndarray,
+                         errors: dict[int, str]) -> torch.Tensor:
+        """Repetition (prompt and output ids), presence and frequency (output ids) penalties
+        of every penalty row at once, as the reference applies them, in float32. Returns the
+        logits to sample from: `logits` itself when no row has penalties; a new tensor when
+        a penalty row asks for log probs (those stay of the raw logits)."""
+        p, counts = self.params, self.penalty_counts
+        penalized = np.flatnonzero(p.penalized[rows])
+        if not len(penalized):
+            return logits
+        counts.fill_pending(logits.shape[1], self.upload)
+        if counts.failed:  # (rare: no per-row Python loop otherwise)
+            failed = [index for index in penalized if int(rows[index]) in counts.failed]
+            for index in failed:
+                errors[int(index)] = counts.failed[int(rows[index])]
+            penalized = np.setdiff1d(penalized, failed)
+            if not len(penalized):
+                return logits
+        penalty_rows = rows[penalized]
+        repetition, presence, frequency = self._settings(
+            p.repetition[penalty_rows], p.presence[penalty_rows], p.frequency[penalty_rows])
+        slots = self.upload(counts.slot_of_row[penalty_rows])
+        scores = _take(logits, penalized, self.upload).float()  # [r, vocab], out of place from here on
+        # Each term only where some row has it (the others' would leave their logits as they are).
+        if (p.repetition[penalty_rows] != 1.0).any():
+            seen = counts.seen.index_select(0, slots)  # [r, vocab] bool
+            scores = torch.where(seen, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
+        if (p.presence[penalty_rows] != 0.0).any() or (p.frequency[penalty_rows] != 0.0).any():
+            outputs = counts.output_counts.index_select(0, slots).float()  # [r, vocab]
+            scores = scores - (frequency * outputs + presence * (outputs > 0).float())
+        if scores is logits:
+            scores = scores.clone()
+        if len(penalized) == len(rows):
+            return scores
+        if logits.dtype != torch.float32:
+            work = logits.float()
+        else:
+            work = logits.clone() if wants[penalized].any() else logits
+        return work.index_copy_(0, self.upload(penalized), scores)
 
     def _ban_stops_before_min_tokens(self, logits, rows, requests, output_counts) -> None:
         """min_tokens: every row with fewer outputs than its minimum gets -inf on its stop
@@ -203,35 +401,169 @@ class GpuSampler:
         flat = np.repeat(below * vocab, [len(a) for a in ids]) + np.concatenate(ids)
         _fill_neg_inf(logits, self.upload(flat))
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    # ---- the draws ------------------------------------------------------------------------
+    def _settings(self, *columns: np.ndarray) -> list[torch.Tensor]:
+        """Per-row float settings ([r] host arrays) as [r, 1] float32 device tensors, in one upload."""
+        stacked = self.upload(np.stack([np.asarray(c, np.float32) for c in columns], axis=1))
+        return [column[:, None] for column in stacked.unbind(1)]
+
+    def _top_k_groups(self, rows: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of the sampled rows of `rows` on the top-k path and on the full path."""
         p = self.params
-        settings = self.upload(
-            np.stack([p.temperature[rows], p.top_p[rows], p.min_p[rows], p.top_k[rows].astype(np.float32)], axis=1)
-        )
-        temperature, top_p, min_p, top_k = settings.unbind(1)
-        scaled = logits / temperature[:, None]
-        vocab = scaled.shape[1]
-        top_k_rows = p.top_k[rows]
-        if ((top_k_rows > 0) & (top_k_rows < vocab)).any() or (p.top_p[rows] < 1.0).any():
-            sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-            k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
-            kth = sorted_logits.gather(1, (k - 1)[:, None])  # [m, 1]
-            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-            probs_sorted = torch.softmax(sorted_logits, dim=-1)
-            before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
-            drop = before >= top_p[:, None]
-            drop[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+        sampled = ~p.greedy[rows]
+        top_k = p.top_k[rows]
+        top_k_rows = sampled & (top_k > 0) & (top_k <= TOP_K_MAX) & (top_k < vocab)
+        return np.flatnonzero(top_k_rows), np.flatnonzero(sampled & ~top_k_rows)
+
+    @torch.inference_mode()
+    def distribution(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """[m, vocab] float32: the normalised distribution each row's draw follows, from
+        these logits as they are (no penalties or bans); a greedy row's is its argmax.
+        What the tests compare with the reference's `sampling_distribution`."""
+        rows = np.asarray(rows)
+        m, vocab = logits.shape
+        out = torch.zeros(m, vocab, device=logits.device)
+        out.scatter_(1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
+        top_k_group, full_group = self._top_k_groups(rows, vocab)
+        if len(top_k_group):
+            weights, indices = self._top_k_weights(_take(logits, top_k_group, self.upload), rows[top_k_group])
+            dense = torch.zeros(len(top_k_group), vocab, device=logits.device).scatter_(1, indices, weights)
+            out.index_copy_(0, self.upload(top_k_group), dense)
+        if len(full_group):
+            out.index_copy_(0, self.upload(full_group), self._full_weights(_take(logits, full_group, self.upload),
+                                                                            rows[full_group]))
+        return out / out.sum(dim=-1, keepdim=True)
+
+    def _sample_top_k(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        weights, indices = self._top_k_weights(logits, rows)
+        lengths = candidates(self.params.top_k[rows], logits.shape[1])
+        return indices.gather(1, self._race(weights, rows, lengths)[:, None]).squeeze(1)
+
+    def _sample_full(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        return self._race(self._full_weights(logits, rows), rows, None)
+
+    def _top_k_weights(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with 0 < top_k <= TOP_K_MAX: [r, vocab] logits (any float dtype) -> the
+        [r, c] weights (unnormalised probabilities, 0 = dropped) of the [r, c] ids of one
+        topk of the largest `candidates(top_k)`, sorted. The reference's masks on those:
+        keep >= the k-th; top-p on the cumulative mass in that order (the smallest value
+        whose mass before it is below top_p, and every value at least it); min-p against
+        the top probability."""
+        p = self.params
+        top_k = p.top_k[rows]
+        lengths = candidates(top_k, logits.shape[1])
+        temperature, top_p, min_p, kth_index, length = self._settings(
+            p.temperature[rows], p.top_p[rows], p.min_p[rows], top_k - 1, lengths)
+        values, indices = torch.topk(logits, int(lengths.max()), dim=-1)  # [r, c] descending
+        scaled = values.float() / temperature  # temperature > 0 keeps the order
+        position = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+        kth = scaled.gather(1, kth_index.long())
+        keep = (position < length) & (scaled >= kth)
+        scaled = scaled.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
-        if (p.min_p[rows] > 0).any():
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
+        smallest_kept = torch.where(before < top_p, scaled, float("inf")).amin(dim=-1, keepdim=True)
+        keep &= (scaled >= smallest_kept) | (top_p >= 1.0)
+        keep &= probs >= min_p * probs[:, :1]  # min_p 0 keeps all; the first is the largest
+        return probs.masked_fill(~keep, 0.0), indices
+
+    def _full_weights(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Other sampled rows (no top-k, or top_k > TOP_K_MAX): [r, vocab] -> [r, vocab]
+        weights over the whole vocabulary. The k-th largest logit and the smallest logit
+        top-p keeps come from bisection (`_largest_threshold`) over the logits as given
+        (16-bit logits: 16 rounds; float32: 32), never a sort. Dividing by a temperature
+        keeps the order, so thresholds on the given logits are thresholds on the scaled."""
+        p = self.params
+        vocab = logits.shape[1]
+        top_k, top_p, min_p = p.top_k[rows], p.top_p[rows], p.min_p[rows]
+        (temperature,) = self._settings(p.temperature[rows])
+        scaled = logits / temperature  # [r, vocab] float32 (a 16-bit input is promoted)
+        lowest = torch.full((len(rows),), float("-inf"), dtype=logits.dtype, device=logits.device)
+        highest = logits.amax(dim=-1)  # [r]: above it, nothing counts
+        big_k = (top_k > 0) & (top_k < vocab)
+        if big_k.any():  # rows without one get a count no threshold reaches: nothing masked
+            wanted = self.upload(np.where(big_k, top_k, vocab + 1).astype(np.int64))
+            kth = _largest_threshold(wanted, lambda t: (logits >= t[:, None]).sum(dim=-1), lowest, highest)
+            scaled.masked_fill_(logits < kth[:, None], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        del scaled
+        if (top_p < 1.0).any():  # rows at 1 get a mass no threshold reaches: nothing masked
+            (mass,) = self._settings(np.where(top_p < 1.0, top_p, np.inf))
+
+            def mass_at_least(t):
+                return torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1)
+
+            smallest_kept = _largest_threshold(mass[:, 0], mass_at_least, lowest, highest)
+            probs.masked_fill_(logits < smallest_kept[:, None], 0.0)
+        if (min_p > 0).any():
+            (minimum,) = self._settings(min_p)
+            probs.masked_fill_(probs < minimum * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+    def _race(self, probs: torch.Tensor, rows: np.ndarray, lengths: np.ndarray | None) -> torch.Tensor:
+        """argmax of probs / E, E ~ Exp(1) per entry: a draw from probs (unnormalised).
+        A seeded row draws its E from its own generator, over its own `lengths[i]` entries
+        (all of them where lengths is None): a length its own settings fix, so its draw
+        does not depend on the rows beside it."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for index, row in enumerate(rows):
-            generator = self.row_generators.get(int(row))
-            if generator is not None:
-                noise[index].exponential_(generator=generator)
+        if self.row_generators:
+            for index, row in enumerate(rows.tolist()):
+                generator = self.row_generators.get(row)
+                if generator is not None:
+                    end = probs.shape[1] if lengths is None else int(lengths[index])
+                    noise[index, :end].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
+
+
+def _float_key(values: torch.Tensor) -> torch.Tensor:
+    """float32/bf16/fp16 -> int64 with the same order (-0.0 just below +0.0)."""
+    bits = values.contiguous().view(_BITS[values.element_size()]).to(torch.int64)
+    sign_free = (1 << (8 * values.element_size() - 1)) - 1  # every bit but the sign's
+    return torch.where(bits >= 0, bits, bits ^ sign_free)
+
+
+def _key_float(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    sign_free = (1 << (8 * size - 1)) - 1
+    return torch.where(keys >= 0, keys, keys ^ sign_free).to(_BITS[size]).view(dtype)
+
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def _largest_threshold(target: torch.Tensor, measure, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest float t (of low's dtype) with measure(t) >= target, where
+    measure(t) [r] (the count, or the mass, of a row's entries >= t) falls as t rises;
+    `low` [r] meets the target (or is returned), `high` [r] is the row's largest entry
+    (above it the measure is 0).
+
+    Bisection over the floats' bit patterns, ordered as integers: 16 or 32 halvings cover
+    every 16- or 32-bit float, so the answer is exact; and as the measure only changes at
+    the row's values, the largest t is one of them: the k-th largest logit for a count of
+    k, the smallest logit top-p keeps for a mass of top_p. A fixed number of batched
+    reductions, no sort, no host sync."""
+    lo = _float_key(low)
+    hi = _float_key(high) + 1  # measures 0 < target
+    for _ in range(8 * low.element_size()):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        reached = measure(_key_float(mid, low.dtype)) >= target
+        lo = torch.where(reached, mid, lo)
+        hi = torch.where(reached, hi, mid)
+    return _key_float(lo, low.dtype)
+
+
+def _take(tensor: torch.Tensor, index: np.ndarray, upload) -> torch.Tensor:
+    """tensor[index] along dim 0; the tensor itself when index is every row (in order)."""
+    if len(index) == tensor.shape[0]:
+        return tensor
+    return tensor.index_select(0, upload(np.asarray(index, np.int64)))
+
+
+def _put(target: torch.Tensor, index: np.ndarray, values: torch.Tensor, upload) -> torch.Tensor:
+    """target with target[index] = values; values itself when index is every row."""
+    if len(index) == target.shape[0]:
+        return values
+    return target.index_copy_(0, upload(np.asarray(index, np.int64)), values)
 
 
 def _fill_neg_inf(logits: torch.Tensor, flat_index: torch.Tensor) -> None:
@@ -239,21 +571,11 @@ def _fill_neg_inf(logits: torch.Tensor, flat_index: torch.Tensor) -> None:
     logits.view(-1).index_fill_(0, flat_index, float("-inf"))
 
 
-def _adjust_row(row: torch.Tensor, request: Request, upload) -> None:
-    """Penalties and bans of one request, as the CPU reference sampler applies them
-    (min_tokens is applied to all rows at once: `_ban_stops_before_min_tokens`). `upload`
-    copies a host array to the device without making the host wait (pinned staging)."""
-    params = request.params
-    if params.repetition_penalty != 1.0:
-        seen = upload(np.array(sorted(set(request.token_ids)), np.int64))
-        scores = row[seen]
-        penalty = params.repetition_penalty
-        row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
-    if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
-        outputs = upload(np.asarray(request.output_token_ids, np.int64))
-        # (bincount on the GPU reads the largest id back to size its result: a sync)
-        counts = torch.zeros_like(row).index_add_(0, outputs, torch.ones(outputs.shape, dtype=row.dtype, device=row.device))
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+def _ban_row(row: torch.Tensor, request: Request, upload) -> None:
+    """Bad words of one request, as the CPU reference sampler bans them (min_tokens is
+    applied to all rows at once: `_ban_stops_before_min_tokens`; penalties to all penalty
+    rows at once: `_apply_penalties`). `upload` copies a host array to the device without
+    making the host wait (pinned staging)."""
     banned = set(request.banned_single)
     for sequence in request.banned_multi:
         if _tail_matches(request.token_ids, sequence[:-1]):
