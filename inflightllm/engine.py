@@ -484,7 +484,8 @@ class Engine:
         top_values = [group.candidates[request.request_id][1] for request in live]
         group.candidates.clear()
         at_max_len = live[0].num_tokens + 1 >= self.max_model_len
-        next_beams = beam.step(tokens, top_ids, top_values, at_max_len, [request.logprobs for request in live])
+        histories = [request.logprobs for request in live] if group.params.logprobs else None  # per-token log probs
+        next_beams = beam.step(tokens, top_ids, top_values, at_max_len, histories)
         if beam.done:
             self._finish_beams(group, outputs)
             return
@@ -540,7 +541,7 @@ class Engine:
             beams = [self._strip_stop(first, hyp.token_ids) for hyp in hypotheses]
             cum = [hyp.cum_logprob for hyp in hypotheses]
             scores = [hyp.score for hyp in hypotheses]
-            # A stripped stop token takes its log prob along (it is in cum_logprob, as in transformers).
+            # A stripped stop token's log prob is left out (it stays in cum_logprob, as in transformers).
             logprobs = [hyp.token_logprobs[: len(ids)] if group.params.logprobs else []
                         for hyp, ids in zip(hypotheses, beams, strict=True)]
             reason = FinishReason.STOP if hypotheses and len(hypotheses[0].token_ids) != len(beams[0]) \
