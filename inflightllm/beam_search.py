@@ -26,13 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def token_logprobs_of(cum_history: list[float]) -> list[float]:
+    """Per-token log probs from the cumulative log prob after each token (what a beam's
+    sequence keeps in `Request.logprobs`)."""
+    return [value - (cum_history[i - 1] if i else 0.0) for i, value in enumerate(cum_history)]
+
+
 @dataclass
 class Hypothesis:
-    """A finished beam: its generated ids (with the stop token), score and cum log prob."""
+    """A finished beam: its generated ids (with the stop token), score and cum log prob;
+    `token_logprobs`: each generated token's log prob (when `step` was given the beams')."""
 
     token_ids: list[int]
     score: float
     cum_logprob: float
+    token_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -64,29 +72,35 @@ class BeamSearch:
         return max(2, 1 + self.num_eos) * self.beam_width
 
     def step(self, beam_tokens: list[list[int]], top_ids: list[list[int]],
-             top_logprobs: list[list[float]], max_len_reached: bool = False) -> list[NextBeam]:
+             top_logprobs: list[list[float]], max_len_reached: bool = False,
+             beam_cum_histories: list[list[float]] | None = None) -> list[NextBeam]:
         """One step over the live beams: `beam_tokens[b]` is beam b's generated ids so far,
         `top_ids[b]`/`top_logprobs[b]` its best candidates (best first). Returns the next
-        live beams (empty when the search is done)."""
+        live beams (empty when the search is done). `beam_cum_histories[b]`, when given, is
+        beam b's cumulative log prob after each of its tokens: a hypothesis finished now
+        keeps its per-token log probs (TensorRT-LLM's `output_log_probs` per beam), worked
+        out only then (a step costs nothing per generated token)."""
         keep = self.candidates_per_beam
-        scored = []  # (score, beam, rank in its row, token)
+        scored = []  # (score, beam, rank in its row, token, its log prob)
         for beam, (ids, values) in enumerate(zip(top_ids, top_logprobs, strict=True)):
             base = self.running_scores[beam]
             for rank, (token, value) in enumerate(zip(ids[:keep], values[:keep], strict=True)):
-                scored.append((base + value, beam, rank, token))
+                scored.append((base + value, beam, rank, token, value))
         # Best first; ties by beam then rank, as a top-k over the flattened [beam, vocab] would.
         scored.sort(key=lambda item: (-item[0], item[1], item[2]))
         candidates = scored[:keep]
         length = self.num_generated + 1
         hits = [token in self.stop_token_ids or length >= self.max_tokens or max_len_reached
-                for _, _, _, token in candidates]
+                for _, _, _, token, _ in candidates]
         # Finished hypotheses from the first beam_width candidates that hit a stop.
         full_and_early = len(self.finished) == self.beam_width and self.early_stopping is True
         if self.improvable and not full_and_early:
-            for (score, beam, _, token), hit in zip(candidates[: self.beam_width], hits, strict=False):
+            for (score, beam, _, token, value), hit in zip(candidates[: self.beam_width], hits, strict=False):
                 if hit:
+                    token_logprobs = [] if beam_cum_histories is None else \
+                        token_logprobs_of(beam_cum_histories[beam]) + [value]
                     self.finished.append(Hypothesis(beam_tokens[beam] + [token],
-                                                    score / (length ** self.length_penalty), score))
+                                                    score / (length ** self.length_penalty), score, token_logprobs))
             self.finished.sort(key=lambda hyp: -hyp.score)  # stable: earlier ones first on ties
             del self.finished[self.beam_width:]
         # The next live beams: stop hits go after the others.

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from inflightllm import request_rules as rules
+from inflightllm.beam_search import token_logprobs_of
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
@@ -68,12 +69,17 @@ class RequestOutput:
     beam_token_ids: list[list[int]] | None = None
     beam_cum_logprobs: list[float] | None = None
     beam_scores: list[float] | None = None
+    beam_logprobs: list[list[float]] | None = None  # each beam's per-token log probs
+    beam_pad_id: int = 0  # what pads the beams' ids to one length (the end id: TensorRT-LLM's output_ids)
 
 
 def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request merged into one: the new tokens (and their log
-    probs) of all, in order; the context of the first; counts and finish of the last."""
+    probs) of all, in order; the context of the first; counts and finish of the last. A
+    beam search output holds the whole beams (they change from step to step): the last wins."""
     first, last = outputs[0], outputs[-1]
+    if last.beam_token_ids is not None:
+        return last
     return RequestOutput(
         request_id=first.request_id,
         new_token_ids=[t for o in outputs for t in o.new_token_ids],
@@ -94,31 +100,6 @@ def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         sequence_index=last.sequence_index,
         sequence_finished=last.sequence_finished,
     )
-
-
-def per_beam_outputs(output: RequestOutput) -> list[RequestOutput]:
-    """A beam search output as one output per beam, `sequence_index` = its rank, each with
-    the beam's whole generated ids (beams change from step to step: a response replaces
-    the beam's text, it does not extend it); only the last is the request's final. Other
-    outputs come back as they are."""
-    if output.beam_token_ids is None:
-        return [output]
-    beams = output.beam_token_ids
-    cums = output.beam_cum_logprobs or [0.0] * len(beams)
-    if not beams:  # cancelled before the first beam step
-        beams, cums = [list(output.new_token_ids)], [output.cum_logprob]
-    result = []
-    for index, (token_ids, cum) in enumerate(zip(beams, cums, strict=True)):
-        last = index == len(beams) - 1
-        result.append(RequestOutput(
-            request_id=output.request_id, new_token_ids=list(token_ids), context_ids=[], new_logprobs=[],
-            new_top_ids=[], new_top_logprobs=[], cum_logprob=cum, finished=output.finished and last,
-            finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
-            num_output_tokens=len(token_ids), num_cached_tokens=output.num_cached_tokens,
-            time_to_first_token=output.time_to_first_token, time_per_output_token=output.time_per_output_token,
-            e2e_latency=output.e2e_latency, error=output.error, sequence_index=index,
-            sequence_finished=output.finished))
-    return result
 
 
 @dataclass
@@ -271,7 +252,6 @@ class Engine:
         self._unforked: list[Request] = []
         self._runner_reset: list[str] = []
         self._num_beam_groups = 0
-        self.num_beam_outputs = 0  # beam search outputs made so far (the serving loop expands those)
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -507,7 +487,8 @@ class Engine:
         top_values = [group.candidates[request.request_id][1] for request in live]
         group.candidates.clear()
         at_max_len = live[0].num_tokens + 1 >= self.max_model_len
-        next_beams = beam.step(tokens, top_ids, top_values, at_max_len)
+        histories = [request.logprobs for request in live] if group.params.logprobs else None  # per-token log probs
+        next_beams = beam.step(tokens, top_ids, top_values, at_max_len, histories)
         if beam.done:
             self._finish_beams(group, outputs)
             return
@@ -563,6 +544,9 @@ class Engine:
             beams = [self._strip_stop(first, hyp.token_ids) for hyp in hypotheses]
             cum = [hyp.cum_logprob for hyp in hypotheses]
             scores = [hyp.score for hyp in hypotheses]
+            # A stripped stop token's log prob is left out (it stays in cum_logprob, as in transformers).
+            logprobs = [hyp.token_logprobs[: len(ids)] if group.params.logprobs else []
+                        for hyp, ids in zip(hypotheses, beams, strict=True)]
             reason = FinishReason.STOP if hypotheses and len(hypotheses[0].token_ids) != len(beams[0]) \
                 else FinishReason.LENGTH
             self._drop_group(group)
@@ -570,9 +554,11 @@ class Engine:
             beams = [request.output_token_ids for request in group.live]
             cum = [request.logprobs[-1] if request.logprobs else 0.0 for request in group.live]
             scores = list(cum)
+            # Per-token log probs only when asked: O(generated tokens) per beam per step.
+            logprobs = [token_logprobs_of(request.logprobs) for request in group.live] \
+                if group.params.logprobs else [[] for _ in group.live]
             reason = FinishReason.NONE
         best = beams[0] if beams else []
-        self.num_beam_outputs += 1
         output = RequestOutput(
             request_id=group.request_id,
             new_token_ids=list(best),
@@ -589,6 +575,8 @@ class Engine:
             beam_token_ids=[list(b) for b in beams],
             beam_cum_logprobs=cum,
             beam_scores=scores,
+            beam_logprobs=logprobs,
+            beam_pad_id=min(first.eos_token_ids, default=0) if first.params.end_id is None else first.params.end_id,
         )
         if finished:
             output.e2e_latency = now - first.arrival_time

@@ -168,3 +168,43 @@ def test_random_llama_beams_equal_transformers(random_llama):
     assert preempted, "no group was preempted"
     eos = loaded.eos_token_ids
     assert_beams_equal(finals, cases, lambda p, g, n: transformers_beams(hf_model, p, g, n, eos))
+
+
+def test_smollm2_beam_log_probs_are_the_models_per_token_log_probs(smollm2_loaded, smollm2_hf, chat_prompts):
+    """With log probs asked, every final beam (and every running beam of every streamed
+    step) carries one log prob per generated token: log-softmax of `transformers`' logits
+    for that token after the prompt and the beam's earlier tokens. A beam that ended on a
+    stop token leaves that token's log prob out of them but in its cumulative log prob."""
+    engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=128, block_size=16), sampler_seed=0,
+                    loaded=smollm2_loaded)
+    prompt = chat_prompts[0]
+    engine.add_request("beams", prompt, SamplingParams(max_tokens=12, logprobs=True),
+                       group=GroupParams(beam_width=4), streaming=True)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and len(final.beam_logprobs) == 4
+
+    def model_log_probs(beam: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = smollm2_hf(torch.tensor([prompt + beam])).logits[0].float()
+        rows = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+        return rows[torch.arange(len(beam)), torch.tensor(beam)].tolist()
+
+    checked = 0
+    for output in outputs:
+        for beam, log_probs, cum in zip(output.beam_token_ids, output.beam_logprobs, output.beam_cum_logprobs,
+                                        strict=True):
+            assert len(log_probs) == len(beam)
+            assert log_probs == pytest.approx(model_log_probs(beam), abs=1e-4)
+            if not output.finished or len(beam) == 12:  # no stop token stripped
+                assert sum(log_probs) == pytest.approx(cum, abs=1e-4)
+            checked += 1
+    assert checked >= 4 * 3
+    # Without log probs asked, no beam carries them.
+    engine.add_request("quiet", prompt, SamplingParams(max_tokens=4), group=GroupParams(beam_width=2))
+    quiet = []
+    while engine.has_unfinished():
+        quiet += engine.step()
+    assert quiet[-1].beam_logprobs == [[], []]

@@ -17,8 +17,18 @@ def _output(new, context, finished=False, reason=FinishReason.NONE, logprobs=(),
                          [list(t) for t in top_values], cum, finished, reason, 3, 5, 2)
 
 
-def _request(echo=False, top_logprobs=0) -> EngineRequest:
-    params = SamplingParams(max_tokens=8, logprobs=top_logprobs > 0, top_logprobs=top_logprobs)
+def _beam_output(beams, cums, logprobs=None, finished=False, reason=FinishReason.NONE) -> RequestOutput:
+    output = _output(beams[0] if beams else [40], [], finished, reason, cum=cums[0] if cums else -0.5)
+    output.beam_token_ids = [list(b) for b in beams]
+    output.beam_cum_logprobs = list(cums)
+    output.beam_scores = list(cums)
+    output.beam_logprobs = logprobs if logprobs is not None else [[] for _ in beams]
+    output.beam_pad_id = 2
+    return output
+
+
+def _request(echo=False, top_logprobs=0, logprobs=False) -> EngineRequest:
+    params = SamplingParams(max_tokens=8, logprobs=top_logprobs > 0 or logprobs, top_logprobs=top_logprobs)
     return EngineRequest([11, 12, 13], params, 0, not echo, echo)
 
 
@@ -47,6 +57,7 @@ def test_a_streamed_piece_without_log_probs():
         "top_logprob_ids": (torch.int32, [1, 2, 0], [[[], []]]),
         "top_logprobs": (torch.float32, [1, 2, 0], [[[], []]]),
         "sequence_index": (torch.int32, [1, 1], [[0]]),
+        "sequence_length": (torch.int32, [1, 1], [[2]]),
     }
     assert list(tensors) == list(expected)
     for name, (dtype, shape, values) in expected.items():
@@ -115,7 +126,7 @@ def _packed_request(**kwargs) -> EngineRequest:
 
 def test_packed_responses_unpack_to_the_documented_tensors():
     """The ensemble's three tensors (inflightllm/packed_outputs.py) give postprocessing
-    exactly the eleven documented tensors: names, dtypes, shapes and values."""
+    exactly the documented tensors: names, dtypes, shapes and values."""
     import numpy as np
 
     from inflightllm.packed_outputs import PACKED_F32, PACKED_I32, unpack
@@ -126,6 +137,11 @@ def test_packed_responses_unpack_to_the_documented_tensors():
         (_output([42], [7], finished=True, reason=FinishReason.LENGTH, logprobs=[-0.5], cum=-1.25), {"echo": True}),
         (_output([40, 41], [], logprobs=[-0.1, -0.2], top_ids=[[40, 3], [41, 9]],
                  top_values=[[-0.1, -2.0], [-0.2, -3.5]], cum=-0.3), {"top_logprobs": 2}),
+        # Beam search: every beam in one response, padded to the longest.
+        (_beam_output([[40, 41], [40, 42], [43, 44]], [-0.5, -0.75, -1.5]), {}),
+        (_beam_output([[40, 41, 45], [40], [43, 44]], [-0.5, -0.75, -1.5], [[-0.1, -0.2, -0.2], [-0.75], [-1, -0.5]],
+                      finished=True, reason=FinishReason.STOP), {"echo": True, "logprobs": True}),
+        (_beam_output([], [], finished=True, reason=FinishReason.CANCELLED), {}),  # cancelled before a beam step
     ]
     for output, kwargs in cases:
         classic = output_tensors(output, _request(**kwargs), handle=99)
@@ -156,3 +172,42 @@ def test_a_malformed_packed_response_is_refused_naming_the_problem():
         unpack({PACKED_I32: ints[:, :-1], PACKED_F32: floats})
     with pytest.raises(ValueError, match="header alone"):
         unpack({PACKED_I32: np.zeros((1, 3), np.int32), PACKED_F32: floats})
+
+
+def test_a_beam_search_response_has_the_beam_dimension():
+    """TensorRT-LLM's shapes: output_ids [1, beams, longest] padded with the end id,
+    sequence_length and cum_log_probs [1, beams], output_log_probs [1, beams, longest]
+    (padded with 0; empty rows unless the request asked for log probs); the prompt first
+    in each beam when echoed."""
+    output = _beam_output([[40, 41, 45], [40], [43, 44]], [-0.5, -0.75, -1.5],
+                          [[-0.125, -0.25, -0.25], [-0.75], [-1.0, -0.5]], finished=True, reason=FinishReason.LENGTH)
+    tensors = output_tensors(output, _request(logprobs=True), handle=7)
+    assert tensors["output_ids"].tolist() == [[[40, 41, 45], [40, 2, 2], [43, 44, 2]]]
+    assert tensors["sequence_length"].tolist() == [[3, 1, 2]]
+    assert tensors["cum_log_probs"].tolist() == [[-0.5, -0.75, -1.5]]
+    assert tensors["output_log_probs"].tolist() == [[[-0.125, -0.25, -0.25], [-0.75, 0.0, 0.0], [-1.0, -0.5, 0.0]]]
+    assert tensors["finish_reason"].tolist() == [[2]] and tensors["sequence_index"].tolist() == [[0]]
+    assert all(_triton_accepts(tensor) for tensor in tensors.values())
+    quiet = output_tensors(output, _request(), handle=7)  # no log probs asked
+    assert list(quiet["output_log_probs"].shape) == [1, 3, 0] and _triton_accepts(quiet["output_log_probs"])
+    echoed = output_tensors(output, _request(echo=True), handle=7)
+    assert echoed["output_ids"].tolist() == [[[11, 12, 13, 40, 41, 45], [11, 12, 13, 40, 2, 2],
+                                              [11, 12, 13, 43, 44, 2]]]
+    assert echoed["sequence_length"].tolist() == [[6, 4, 5]]
+
+
+def test_a_malformed_packed_beam_response_is_refused_naming_the_problem():
+    import numpy as np
+    import pytest
+
+    from inflightllm.packed_outputs import PACKED_F32, PACKED_I32, pack_beams, unpack
+
+    packed = output_tensors(_beam_output([[40, 41], [42]], [-0.5, -1.0]), _packed_request(), handle=1)
+    ints, floats = packed[PACKED_I32].numpy(), packed[PACKED_F32].numpy()
+    with pytest.raises(ValueError, match="id lengths"):
+        unpack({PACKED_I32: ints[:, :-1], PACKED_F32: floats})
+    with pytest.raises(ValueError, match="cumulative log probs"):
+        unpack({PACKED_I32: ints, PACKED_F32: np.zeros((1, 1), np.float32)})
+    with pytest.raises(ValueError, match="the same number of each"):
+        pack_beams(finish_reason=0, num_input_tokens=1, num_output_tokens=1, num_cached_tokens=0,
+                   beam_token_ids=[[1], [2]], beam_cum_logprobs=[-1.0], beam_logprobs=[[], []], pad_id=0)

@@ -300,7 +300,14 @@ def test_n_outputs_stream_each_with_its_index(loop, engine):
     assert engine.stats().num_blocks_used == 0
 
 
-def test_beam_search_streams_the_beams_and_ends_with_them_best_first(loop, engine):
+def beams_of(tensors) -> list[list[int]]:
+    """The beams of a beam search response: each row of output_ids [1, beams, longest] cut
+    at its sequence_length."""
+    rows, lengths = tensors["output_ids"][0].tolist(), tensors["sequence_length"].reshape(-1).tolist()
+    return [row[:length] for row, length in zip(rows, lengths, strict=True)]
+
+
+def test_beam_search_sends_every_beam_in_every_response_and_ends_with_them_best_first(loop, engine):
     from inflightllm.sampling_params import SamplingParams
     from inflightllm.sequence_group import GroupParams
 
@@ -309,12 +316,57 @@ def test_beam_search_streams_the_beams_and_ends_with_them_best_first(loop, engin
     sink.wait()
     assert sink.errors == []
     loop.stop()
-    [final] = [o for o in offline(engine, FOX, SamplingParams(max_tokens=5),
-                                  GroupParams(beam_width=4, length_penalty=0.5, early_stopping=True)) if o.finished]
-    # The last four responses are the final beams, best first, indexes 0..3.
-    last = sink.responses[-4:]
-    assert [scalar(t, "sequence_index") for t, _ in last] == [0, 1, 2, 3]
-    assert [ids(t) for t, _ in last] == final.beam_token_ids
-    assert [scalar(t, "cum_log_probs") for t, _ in last] == pytest.approx(final.beam_cum_logprobs, abs=1e-5)
-    # Earlier responses carried the running beams, each with its index.
-    assert len(sink.responses) > 4 and all(0 <= scalar(t, "sequence_index") < 4 for t, _ in sink.responses)
+    group = GroupParams(beam_width=4, length_penalty=0.5, early_stopping=True)
+    engine.add_request("offline", FOX, SamplingParams(max_tokens=5), streaming=True, group=group)
+    steps = []
+    while engine.has_unfinished():
+        steps += engine.step()
+    final = steps[-1]
+    assert final.finished and len(final.beam_token_ids) == 4
+    # Every response carries the four beams (TensorRT-LLM's beam dimension): the running
+    # beams of a step (a stream that fell behind gets the latest step's), then the final
+    # beams best first; never one response per beam.
+    shapes = [(list(t["output_ids"].shape[:2]), list(t["sequence_length"].shape), list(t["cum_log_probs"].shape))
+              for t, _ in sink.responses]
+    assert shapes == [([1, 4], [1, 4], [1, 4])] * len(sink.responses)
+    assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
+    streamed = [(beams_of(t), t["cum_log_probs"].reshape(-1).tolist()) for t, _ in sink.responses]
+    offline_steps = [(o.beam_token_ids, o.beam_cum_logprobs) for o in steps]
+    at = 0
+    for beams, cums in streamed:  # the responses follow the offline steps in order, some skipped
+        while offline_steps[at][0] != beams:
+            at += 1
+        assert cums == pytest.approx(offline_steps[at][1], abs=1e-5)
+    assert streamed[-1][0] == final.beam_token_ids
+    assert [scalar(t, "sequence_index") for t, _ in sink.responses] == [0] * len(sink.responses)
+    # Padding: the end id after a beam's ids.
+    tensors = sink.responses[-1][0]
+    for row, length in zip(tensors["output_ids"][0].tolist(), tensors["sequence_length"].reshape(-1).tolist(),
+                           strict=True):
+        assert set(row[length:]) <= set(engine.loaded.eos_token_ids)
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_beam_search_without_streaming_echoes_the_prompt_and_returns_each_beams_log_probs(loop, engine):
+    from inflightllm.sampling_params import SamplingParams
+    from inflightllm.sequence_group import GroupParams
+
+    sink = RecordingSink()
+    loop.submit(engine_request(FOX, 6, streaming=False, beam_width=3, exclude_input_in_output=False,
+                               return_log_probs=True), sink)
+    sink.wait()
+    loop.stop()
+    [(tensors, final_flag)] = sink.responses
+    assert final_flag
+    [final] = [o for o in offline(engine, FOX, SamplingParams(max_tokens=6, logprobs=True),
+                                  GroupParams(beam_width=3)) if o.finished]
+    assert beams_of(tensors) == [FOX + beam for beam in final.beam_token_ids]
+    assert tensors["cum_log_probs"].reshape(-1).tolist() == pytest.approx(final.beam_cum_logprobs, abs=1e-5)
+    log_probs = tensors["output_log_probs"][0].tolist()
+    assert list(tensors["output_log_probs"].shape) == [1, 3, max(len(b) for b in final.beam_token_ids)]
+    for row, beam, cum, expected in zip(log_probs, final.beam_token_ids, final.beam_cum_logprobs,
+                                        final.beam_logprobs, strict=True):
+        assert row[:len(beam)] == pytest.approx(expected, abs=1e-5) and len(expected) == len(beam)
+        assert all(value <= 0.0 for value in expected)
+        if len(beam) == 6:  # ended by length: its log probs add up to its cumulative log prob
+            assert sum(expected) == pytest.approx(cum, abs=1e-4)

@@ -196,3 +196,21 @@ def test_vllm_names_take_effect(endpoint, model_repo_server):
     assert result.error is None and len(result.last("output_log_probs").reshape(-1)) == 6
     status, _, text = post(f"{endpoint}/generate", {**body, "sampling_parameters": json.dumps({"max_tokens": 6, "n": 0})})
     assert status == 400 and "sampling_parameters key 'n': 0 is out of range; allowed: 1 or more" in text
+
+
+def test_generate_with_beam_search_returns_every_beam(endpoint, model_repo_server):
+    """Beam search answers with one response (every beam in it: docs/INTERFACE.md), so the
+    one-response `generate` endpoint takes it: `text_output` and `cum_log_probs` are JSON
+    lists of the beams, best first, equal to what gRPC returns."""
+    body = {"text_input": STORY_PROMPT, "max_tokens": 6, "stream": False, "exclude_input_in_output": True,
+            "beam_width": 3}
+    status, _, text = post(f"{endpoint}/generate", body)
+    assert status == 200, text
+    answer = json.loads(text)
+    result = run_one(model_repo_server.grpc_url, body)
+    assert result.error is None, result.error
+    [response] = [r for r in result.responses if r.as_numpy("text_output") is not None]
+    assert answer["text_output"] == [t.decode() for t in response.as_numpy("text_output")[0]]
+    assert len(answer["text_output"]) == 3 and len(set(answer["text_output"])) == 3
+    assert answer["cum_log_probs"] == pytest.approx(response.as_numpy("cum_log_probs")[0].tolist(), abs=1e-6)
+    assert answer["sequence_length"] == response.as_numpy("sequence_length")[0].tolist()

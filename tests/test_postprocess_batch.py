@@ -214,3 +214,40 @@ def test_decode_pieces_counts_one_tokenizer_call(smollm2_tokenizer):
         smollm2_tokenizer.decode([504]),
         "",
     ]
+
+
+def test_a_beam_search_response_decodes_every_beam_whole(smollm2_tokenizer):
+    """A packed beam search response (inflightllm/packed_outputs.py) between ordinary pieces
+    of one batch: text_output [1, beams], each beam's whole text (its padding left out),
+    the numeric beam tensors passed through; the ordinary pieces are unchanged."""
+    from inflightllm.packed_outputs import pack_beams
+
+    beams = [smollm2_tokenizer.encode(text) for text in (TEXTS[0], TEXTS[2], TEXTS[1][:9])]
+    beams[1] = beams[1][:5]  # ends inside a multi-byte character: held back until final
+    ints, floats = pack_beams(finish_reason=0, num_input_tokens=7, num_output_tokens=len(beams[0]),
+                              num_cached_tokens=0, beam_token_ids=beams, beam_cum_logprobs=[-1.0, -2.0, -3.0],
+                              beam_logprobs=[[], [], []], pad_id=IM_END)
+    packed = {"request_handle": np.array([[5]], np.int64), "engine_out_i32": ints, "engine_out_f32": floats}
+    ordinary = engine_inputs([], beams[0][:3], 0, 1)
+    results = build_text_responses([ordinary, packed, ordinary], smollm2_tokenizer)
+    assert results[0]["text_output"].tolist() == results[2]["text_output"].tolist() == \
+        build_text_response(ordinary, smollm2_tokenizer)["text_output"].tolist()
+    beam = results[1]
+    expected = [decode_pieces(smollm2_tokenizer, [([], ids, False)])[0] for ids in beams]
+    assert beam["text_output"].shape == (1, 3)
+    assert [text.decode() for text in beam["text_output"][0]] == expected
+    assert expected[0] == TEXTS[0] and expected[1] == "中文测"  # the 5th token's partial character held back
+    assert beam["sequence_length"].tolist() == [[len(ids) for ids in beams]]
+    longest = max(len(ids) for ids in beams)
+    assert beam["output_ids"].shape == (1, 3, longest)
+    assert beam["output_ids"][0, 1].tolist() == beams[1] + [IM_END] * (longest - len(beams[1]))
+    assert beam["cum_log_probs"].tolist() == beam["cumulative_logprob"].tolist() == [[-1.0, -2.0, -3.0]]
+    assert beam["output_log_probs"].shape == (1, 3, 0) and beam["sequence_index"].tolist() == [[0]]
+    # The final response keeps an incomplete character (as U+FFFD), as a whole decode does.
+    ints, floats = pack_beams(finish_reason=2, num_input_tokens=7, num_output_tokens=len(beams[0]),
+                              num_cached_tokens=0, beam_token_ids=beams, beam_cum_logprobs=[-1.0, -2.0, -3.0],
+                              beam_logprobs=[[], [], []], pad_id=IM_END)
+    final = build_text_response({"engine_out_i32": ints, "engine_out_f32": floats}, smollm2_tokenizer)
+    assert [text.decode() for text in final["text_output"][0]] == \
+        [smollm2_tokenizer.decode(ids, skip_special_tokens=True) for ids in beams]
+    assert final["finish_reason"].tolist() == [[b"length"]]

@@ -274,8 +274,8 @@ def test_tensors_follow_the_interface_document(configs):
     # text_input is optional in the config: messages can replace it.
     ensemble_inputs = [(n, t, d, True if n == "text_input" else o) for n, t, d, o in ensemble_inputs]
     assert [row[0] for row in ensemble_inputs if not row[3]] == []  # preprocessing names what is missing
-    assert len(ensemble_inputs) == 39 and len(ensemble_outputs) == 13
-    assert len(to_engine) == 29 and len(to_postprocessing) == 3 and len(engine_outputs) == 12
+    assert len(ensemble_inputs) == 39 and len(ensemble_outputs) == 14
+    assert len(to_engine) == 29 and len(to_postprocessing) == 3 and len(engine_outputs) == 13
     assert to_postprocessing[0] == engine_outputs[0]  # request_handle: in both sets
 
     assert tensors(configs["ensemble"].input) == ensemble_inputs

@@ -133,20 +133,25 @@ ENSEMBLE_INPUTS = (
     _t("tools", "TYPE_STRING", optional=True),
 )
 
-# docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them.
+# docs/INTERFACE.md "Ensemble outputs"; postprocessing produces each of them. The dims
+# with a beam dimension are TensorRT-LLM's ensemble's (text_output [beam], output_ids
+# [beam, tokens], ...): a beam_width > 1 response has those shapes; a response without
+# beam search keeps its one-output shapes (output_ids [tokens]), which Triton accepts as
+# it does not check a Python model's output shapes against its config.
 ENSEMBLE_OUTPUTS = (
-    _t("text_output", "TYPE_STRING"),
+    _t("text_output", "TYPE_STRING", (-1,)),  # [beam]
     _t("finish_reason", "TYPE_STRING"),
     _t("num_input_tokens", "TYPE_INT32"),
     _t("num_output_tokens", "TYPE_INT32"),
     _t("num_cached_tokens", "TYPE_INT32"),
-    _t("output_ids", "TYPE_INT32", (-1,)),
-    _t("cum_log_probs", "TYPE_FP32"),
-    _t("output_log_probs", "TYPE_FP32", (-1,)),
+    _t("output_ids", "TYPE_INT32", (-1, -1)),  # [beam, tokens]; [tokens] without beam search
+    _t("sequence_length", "TYPE_INT32", (-1,)),  # [beam]: the ids of each row of output_ids
+    _t("cum_log_probs", "TYPE_FP32", (-1,)),  # [beam]
+    _t("output_log_probs", "TYPE_FP32", (-1, -1)),  # [beam, tokens]; [tokens] without beam search
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
-    _t("sequence_index", "TYPE_INT32"),  # which output of the request (n, beams)
-    _t("cumulative_logprob", "TYPE_FP32"),  # vLLM's name of cum_log_probs
+    _t("sequence_index", "TYPE_INT32"),  # which output of the request (n)
+    _t("cumulative_logprob", "TYPE_FP32", (-1,)),  # vLLM's name of cum_log_probs
     _t("batch_index", "TYPE_INT32"),  # TensorRT-LLM's; always 0 (one prompt per request)
 )
 
@@ -193,17 +198,18 @@ ENGINE_INPUTS = tuple(_t(t.name, t.data_type, t.dims, optional=True) for t in PR
 # docs/INTERFACE.md "engine -> postprocessing": the engine's documented outputs.
 ENGINE_OUTPUTS = (
     _t("request_handle", "TYPE_INT64"),
-    _t("output_ids", "TYPE_INT32", (-1,)),
+    _t("output_ids", "TYPE_INT32", (-1, -1)),  # beam search: [beam, tokens]; [tokens] otherwise
     _t("context_ids", "TYPE_INT32", (-1,)),
     _t("finish_reason", "TYPE_INT32"),
     _t("num_input_tokens", "TYPE_INT32"),
     _t("num_output_tokens", "TYPE_INT32"),
     _t("num_cached_tokens", "TYPE_INT32"),
-    _t("cum_log_probs", "TYPE_FP32"),
-    _t("output_log_probs", "TYPE_FP32", (-1,)),
+    _t("cum_log_probs", "TYPE_FP32", (-1,)),  # [beam]
+    _t("output_log_probs", "TYPE_FP32", (-1, -1)),  # beam search: [beam, tokens]; [tokens] otherwise
     _t("top_logprob_ids", "TYPE_INT32", (-1, -1)),
     _t("top_logprobs", "TYPE_FP32", (-1, -1)),
     _t("sequence_index", "TYPE_INT32"),
+    _t("sequence_length", "TYPE_INT32", (-1,)),  # [beam]: the ids of each row of output_ids
 )
 
 # Inside the ensemble the engine sends the same values in three tensors (it does when a

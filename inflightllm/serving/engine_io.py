@@ -203,12 +203,15 @@ def _float32_scalar(value: float) -> torch.Tensor:
 def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0,
                    ledger_id: int = 0) -> dict[str, torch.Tensor]:
     """The engine model's response tensors for one output (leading batch dim 1): the
-    documented eleven, or `request_handle` and the two packed ones when the request asked
-    for those (`request.packed_outputs`, the ensemble's case).
+    documented ones, or `request_handle` and the two packed ones when the request asked
+    for those (`request.packed_outputs`, the ensemble's case). A beam search output gets
+    the beam dimension (`_beam_tensors`).
 
     `handle` identifies the request to the engine (postprocessing sends it back in a
     `cancel_request` control request when the client cancels); `ledger_id` names, in a
     packed response, where postprocessing counts it answered (inflightllm/piece_ledger.py)."""
+    if output.beam_token_ids is not None:
+        return _beam_tensors(output, request, handle, ledger_id)
     token_ids = output.new_token_ids
     context = output.context_ids
     if request.echo_prompt and (output.finished if output.sequence_finished is None else output.sequence_finished):
@@ -218,9 +221,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
     num_new = len(output.new_token_ids)
     if not (top_k and output.new_top_ids):
         top_k = 0
-    cached_handle = request.handle_tensor
-    if cached_handle is None or cached_handle[0] != handle:
-        cached_handle = request.handle_tensor = (handle, _array(handle, np.int64, (1, 1)))
+    cached_handle = _handle_tensor(request, handle)
     if request.packed_outputs:
         ints, floats = packed_outputs.pack(
             finish_reason=int(output.finish_reason), num_input_tokens=output.num_prompt_tokens,
@@ -249,4 +250,56 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
         "top_logprob_ids": _array(output.new_top_ids, int32, (1, num_new, top_k)),
         "top_logprobs": _array(output.new_top_logprobs, float32, (1, num_new, top_k)),
         "sequence_index": _int32_scalar(output.sequence_index),
+        "sequence_length": _int32_scalar(len(token_ids)),
+    }
+
+
+def _handle_tensor(request: EngineRequest, handle: int) -> tuple[int, torch.Tensor]:
+    cached = request.handle_tensor
+    if cached is None or cached[0] != handle:
+        cached = request.handle_tensor = (handle, _array(handle, np.int64, (1, 1)))
+    return cached
+
+
+def _beam_tensors(output: RequestOutput, request: EngineRequest, handle: int,
+                  ledger_id: int) -> dict[str, torch.Tensor]:
+    """A beam search response: every beam at once, best first, with TensorRT-LLM's beam
+    dimension (`output_ids` [1, beams, longest] padded with the end id, `sequence_length`,
+    `cum_log_probs` [1, beams], `output_log_probs` [1, beams, longest] when asked); each
+    beam's whole ids so far, since beams change from step to step."""
+    beams = [list(ids) for ids in output.beam_token_ids]
+    cums = list(output.beam_cum_logprobs or [])
+    logprobs = [list(values) for values in output.beam_logprobs or [[] for _ in beams]]
+    if not beams:  # cancelled before the first beam step: the one sequence's output
+        beams, cums, logprobs = [list(output.new_token_ids)], [output.cum_logprob], [[]]
+    if not request.params.logprobs:
+        logprobs = [[] for _ in beams]
+    if request.echo_prompt and output.finished:
+        beams = [request.prompt_token_ids + ids for ids in beams]
+    cached_handle = _handle_tensor(request, handle)
+    counts = dict(finish_reason=int(output.finish_reason), num_input_tokens=output.num_prompt_tokens,
+                  num_output_tokens=output.num_output_tokens, num_cached_tokens=output.num_cached_tokens)
+    if request.packed_outputs:
+        ints, floats = packed_outputs.pack_beams(
+            **counts, beam_token_ids=beams, beam_cum_logprobs=cums, beam_logprobs=logprobs,
+            pad_id=output.beam_pad_id, sender=ledger_id)
+        return {
+            "request_handle": cached_handle[1],
+            packed_outputs.PACKED_I32: torch.from_numpy(ints),
+            packed_outputs.PACKED_F32: torch.from_numpy(floats),
+        }
+    int32, float32 = np.int32, np.float32
+    rows = [np.array(ids, int32) for ids in beams]
+    return {
+        "request_handle": cached_handle[1],
+        "output_ids": _dense(torch.from_numpy(packed_outputs.pad_rows(rows, int32, output.beam_pad_id))),
+        "context_ids": _array([], int32, (1, 0)),
+        **{name: _int32_scalar(value) for name, value in counts.items()},
+        "cum_log_probs": _array(cums, float32, (1, len(cums))),
+        "output_log_probs": _dense(torch.from_numpy(
+            packed_outputs.pad_rows([np.array(v, float32) for v in logprobs], float32, 0.0))),
+        "top_logprob_ids": _array([], int32, (1, 0, 0)),
+        "top_logprobs": _array([], float32, (1, 0, 0)),
+        "sequence_index": _int32_scalar(0),
+        "sequence_length": _array([len(ids) for ids in beams], int32, (1, len(beams))),
     }

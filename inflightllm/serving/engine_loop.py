@@ -25,13 +25,7 @@ from typing import Protocol
 
 import torch
 
-from inflightllm.engine import (
-    Engine,
-    EngineStats,
-    RequestOutput,
-    coalesce_outputs,
-    per_beam_outputs,
-)
+from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
@@ -81,7 +75,6 @@ class EngineLoop:
         self._inbox: deque[tuple[str, EngineRequest, ResponseSink]] = deque()
         self._cancels: deque[int] = deque()  # handles of requests to abort
         self._active: dict[str, tuple[EngineRequest, ResponseSink]] = {}
-        self._beam_outputs_seen = 0  # engine.num_beam_outputs when outputs were last delivered
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
@@ -268,11 +261,9 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the outputs to the sender thread; a finished request leaves `_active` now.
-        A beam search output becomes one output per beam (docs/SEQUENCE-GROUPS.md)."""
+        A beam search output carries all its beams: one response with a beam dimension
+        (docs/SEQUENCE-GROUPS.md)."""
         batch = []
-        if self.engine.num_beam_outputs != self._beam_outputs_seen:  # not a per-output test on every step
-            self._beam_outputs_seen = self.engine.num_beam_outputs
-            outputs = [item for output in outputs for item in per_beam_outputs(output)]
         for output in outputs:
             entry = self._active.get(output.request_id)
             if entry is None:

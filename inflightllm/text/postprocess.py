@@ -33,12 +33,15 @@ PASS_THROUGH_DEFAULTS: dict[str, tuple[type, tuple[int, ...]]] = {
     "output_log_probs": (np.float32, (1, 0)),
     "top_logprob_ids": (np.int32, (1, 0, 0)),
     "top_logprobs": (np.float32, (1, 0, 0)),
-    "sequence_index": (np.int32, (1, 1)),  # which output of the request (n > 1, beams)
+    "sequence_index": (np.int32, (1, 1)),  # which output of the request (n > 1)
 }
 
 # Other backends' output names: vLLM's `cumulative_logprob` (= cum_log_probs) and
 # TensorRT-LLM's `batch_index` (the prompt's index in the request: always 0, one prompt each).
-OUTPUT_NAMES = ("text_output", "finish_reason", *PASS_THROUGH_DEFAULTS, "cumulative_logprob", "batch_index")
+# `sequence_length`: the ids of each row of `output_ids` (TensorRT-LLM's; with beams, each
+# beam's, the rest of its row padding).
+OUTPUT_NAMES = ("text_output", "finish_reason", *PASS_THROUGH_DEFAULTS, "sequence_length", "cumulative_logprob",
+                "batch_index")
 
 
 def finish_reason_text(code: int) -> str:
@@ -51,35 +54,57 @@ def finish_reason_text(code: int) -> str:
 
 @dataclass
 class _Piece:
-    """What the decode of one engine response needs, read from its tensors."""
+    """What the decode of one engine response needs, read from its tensors: one
+    `(context_ids, new_ids)` decode, or one per beam (a beam search response, whose
+    `output_ids` are [1, beams, longest]: each beam's whole ids so far, no context)."""
 
-    context_ids: list[int]
-    new_ids: list[int]
+    decodes: list[tuple[list[int], list[int]]]
     final: bool
     reason: str
 
 
 def _read_piece(inputs: Mapping[str, np.ndarray | None]) -> _Piece:
+    finish_array = inputs.get("finish_reason")
+    finish_code = 0 if finish_array is None else int(np.asarray(finish_array).reshape(-1)[0])
+    final, reason = finish_code != 0, finish_reason_text(finish_code)
     output_ids = inputs.get("output_ids")
+    if output_ids is not None and np.asarray(output_ids).ndim == 3:  # [1, beams, longest]
+        rows = np.asarray(output_ids)[0]
+        lengths = inputs.get("sequence_length")
+        if lengths is None or np.asarray(lengths).size != len(rows):
+            raise ValueError(f"output_ids: {len(rows)} beams need sequence_length with one length each, got "
+                             f"{None if lengths is None else list(np.asarray(lengths).shape)}")
+        lengths = np.asarray(lengths).reshape(-1).tolist()
+        if not all(0 <= length <= rows.shape[1] for length in lengths):
+            raise ValueError(f"sequence_length: {lengths} out of range for rows of {rows.shape[1]} ids")
+        return _Piece([([], row[:length].tolist()) for row, length in zip(rows, lengths, strict=True)],
+                      final, reason)
     new_ids = [] if output_ids is None else np.asarray(output_ids).reshape(-1).tolist()
     context_ids = inputs.get("context_ids")
     context = [] if context_ids is None else np.asarray(context_ids).reshape(-1).tolist()
-    finish_array = inputs.get("finish_reason")
-    finish_code = 0 if finish_array is None else int(np.asarray(finish_array).reshape(-1)[0])
-    return _Piece(context, new_ids, finish_code != 0, finish_reason_text(finish_code))
+    return _Piece([(context, new_ids)], final, reason)
 
 
-def _response(inputs: Mapping[str, np.ndarray | None], piece: _Piece, text: str) -> dict[str, np.ndarray]:
+def _response(inputs: Mapping[str, np.ndarray | None], piece: _Piece, texts: list[str]) -> dict[str, np.ndarray]:
     response = {
-        "text_output": np.array([[text.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
+        # [1, 1] BYTES, or [1, beams]: each beam's whole text so far, best first
+        "text_output": np.array([[text.encode("utf-8") for text in texts]], dtype=object),
         "finish_reason": np.array([[piece.reason.encode("utf-8")]], dtype=object),  # [1, 1] BYTES
     }
     for name, (dtype, empty_shape) in PASS_THROUGH_DEFAULTS.items():
         array = inputs.get(name)
         response[name] = np.zeros(empty_shape, dtype) if array is None else array
+    lengths = inputs.get("sequence_length")
+    if lengths is None:
+        lengths = np.array([[len(piece.decodes[0][1])]], np.int32)
+    response["sequence_length"] = lengths
     response["cumulative_logprob"] = response["cum_log_probs"]
     response["batch_index"] = np.zeros((1, 1), np.int32)
     return response
+
+
+def _decode_one(tokenizer, piece: _Piece) -> list[str]:
+    return [decode_piece(tokenizer, context, new_ids, final=piece.final) for context, new_ids in piece.decodes]
 
 
 def _unpacked(inputs: Mapping[str, np.ndarray | None]) -> Mapping[str, np.ndarray | None]:
@@ -99,8 +124,7 @@ def build_text_response(inputs: Mapping[str, np.ndarray | None], tokenizer) -> d
     """
     inputs = _unpacked(inputs)
     piece = _read_piece(inputs)
-    text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
-    return _response(inputs, piece, text)
+    return _response(inputs, piece, _decode_one(tokenizer, piece))
 
 
 def build_text_responses(
@@ -129,7 +153,7 @@ def build_text_responses(
     good = [piece for piece in pieces if isinstance(piece, _Piece)]
     try:
         texts: list[str] | None = decode_pieces(
-            tokenizer, [(piece.context_ids, piece.new_ids, piece.final) for piece in good]
+            tokenizer, [(context, new_ids, piece.final) for piece in good for context, new_ids in piece.decodes]
         )
     except Exception:  # some piece's ids are bad: decode one by one to fail that one alone
         texts = None
@@ -141,10 +165,10 @@ def build_text_responses(
             continue
         try:
             if texts is None:
-                text = decode_piece(tokenizer, piece.context_ids, piece.new_ids, final=piece.final)
+                piece_texts = _decode_one(tokenizer, piece)
             else:
-                text = next(next_text)
-            results.append(_response(inputs, piece, text))
+                piece_texts = [next(next_text) for _ in piece.decodes]
+            results.append(_response(inputs, piece, piece_texts))
         except Exception as error:
             results.append(error)
     return results
