@@ -114,5 +114,5 @@ def capacity_policy_name(value: str) -> str:
     name = value.strip().lower() if isinstance(value, str) else value
     if name not in CAPACITY_POLICIES:
         raise ValueError(f"capacity_policy: {value!r} is not allowed; allowed values: {', '.join(CAPACITY_POLICIES)} "
-                         "(TensorRT-LLM's GUARANTEED_NO_EVICT and MAX_UTILIZATION too, any case)")
+                         "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)")
     return name
