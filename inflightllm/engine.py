@@ -8,12 +8,12 @@ the Triton adapter owns it from one loop thread and feeds it through a queue.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
