@@ -127,8 +127,8 @@ bench: install
 	@if $(PY) -c "import sys; from inflightllm.profile import load_profile; sys.exit(load_profile('$(PROFILE)').engine.device != 'gpu')"; then \
 		echo "$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS)"; \
 		$(PY) -m perf.bench_gpu_server --profile $(PROFILE) $(BENCH_ARGS); \
-		echo "$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS)"; \
-		$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS); \
+		echo "$(PY) -m perf.bench_rows --profile $(PROFILE) $(strip $(ROWS_PRESSURE_ARGS)) $(ROWS_ARGS)"; \
+		$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_PRESSURE_ARGS) $(ROWS_ARGS); \
 	else \
 		echo "$(PY) perf/bench_engine.py"; \
 		$(PY) perf/bench_engine.py; \
@@ -138,9 +138,19 @@ bench: install
 # 128/2048 x 512, 2048/2048 x 256) for any profile (perf/bench_rows.py; `make bench` runs it
 # for GPU profiles). ROWS_ARGS="--variants bf16,fp8" compares the profile in bf16 and FP8 in
 # one run; a CPU profile takes small rows: ROWS_ARGS="--rows 16/8x8 --max-batch-size 8".
+# KV pressure (docs/KV-PRESSURE.md), comma lists compared in one run on one loaded engine:
+#   CAPACITY_POLICY=max_utilization,guaranteed_no_evict PREEMPTION_MODE=recompute,swap,auto
+#   KV_WATERMARK=0,0.01 SAMPLING=greedy,sampled,sampled-penalty (ratios to greedy printed)
 ROWS_ARGS ?=
+CAPACITY_POLICY ?=
+PREEMPTION_MODE ?=
+KV_WATERMARK ?=
+SAMPLING ?=
+ROWS_PRESSURE_ARGS = $(if $(CAPACITY_POLICY),--capacity-policy $(CAPACITY_POLICY)) \
+	$(if $(PREEMPTION_MODE),--preemption-mode $(PREEMPTION_MODE)) \
+	$(if $(KV_WATERMARK),--kv-watermark $(KV_WATERMARK)) $(if $(SAMPLING),--sampling $(SAMPLING))
 bench-rows: install prepare-model
-	$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_ARGS)
+	$(PY) -m perf.bench_rows --profile $(PROFILE) $(ROWS_PRESSURE_ARGS) $(ROWS_ARGS)
 
 # perf/bench_gpu_server.py for any profile (a CPU profile at small sizes checks it end to end):
 #   make bench-gpu-server PROFILE=profiles/smollm2-cpu.yaml BENCH_ARGS="--num-requests 16 --input-len 16 --output-len 16 --client-procs 2"

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 BATCHING_STRATEGIES = ("inflight", "static")
-PREEMPTION_MODES = ("recompute", "swap")
+# auto: per victim, swap or recompute, whichever the measured costs say is cheaper
+# (inflightllm.kv_pressure.PreemptionCostModel; docs/KV-PRESSURE.md).
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+# How admission uses the KV cache (docs/KV-PRESSURE.md). max_utilization: admit what fits now
+# (minus a watermark), preempt when decodes run out of blocks; guaranteed_no_evict: admit only
+# what fits beside the worst case (prompt + max_tokens) of every running request, never preempt.
+# TensorRT-LLM's names (MAX_UTILIZATION, GUARANTEED_NO_EVICT) are accepted, in any case.
+CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
 DEVICE_KINDS = ("cpu", "gpu")
 # KV-cache element type: "auto" = the model's dtype; "fp8" = e4m3 with per-layer K and V scales.
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -34,8 +41,10 @@ class EngineConfig:
     priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
     cuda_graphs: bool = True  # GPU: replay captured CUDA graphs for decode steps (false: eager, for debugging)
     async_scheduling: bool = False  # schedule and launch step N+1 before step N's tokens are emitted
-    preemption_mode: str = "recompute"  # recompute | swap (a preempted request's blocks go to host memory)
+    preemption_mode: str = "auto"  # auto | recompute | swap (a preempted request's blocks go to host memory)
     swap_space_blocks: int = 0  # swap: host-memory blocks for preempted requests; 0 = as many as KV blocks
+    capacity_policy: str = "max_utilization"  # max_utilization | guaranteed_no_evict
+    kv_watermark: float = 0.01  # max_utilization: fraction of the KV blocks kept free when admitting (vLLM's 0.01)
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu
@@ -49,6 +58,17 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-layer K/V scales: twice the tokens)
     max_n: int = 8  # most outputs per request (n, best_of, num_return_sequences)
     max_beam_width: int = 8  # widest beam search (beam_width)
+
+    def __post_init__(self) -> None:
+        # Normalised here so that every way in (profile, Triton parameters, the offline LLM,
+        # the benches) accepts TensorRT-LLM's spelling and fails with the same message.
+        object.__setattr__(self, "capacity_policy", capacity_policy_name(self.capacity_policy))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: {self.preemption_mode!r} is not allowed; allowed values: "
+                             f"{', '.join(PREEMPTION_MODES)}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark: {self.kv_watermark!r} is out of range; allowed: at least 0 and less "
+                             "than 1 (a fraction of the KV blocks)")
 
     def to_parameters(self) -> dict[str, str]:
         params = {}
@@ -86,3 +106,13 @@ class EngineConfig:
             except ValueError as error:
                 raise ValueError(f"engine parameter {field_.name!r}: bad value {raw!r} ({error})") from None
         return cls(**values)
+
+
+def capacity_policy_name(value: str) -> str:
+    """Our name of a capacity policy: ours or TensorRT-LLM's (`GUARANTEED_NO_EVICT`,
+    `MAX_UTILIZATION`), in any case. ValueError naming the allowed values otherwise."""
+    name = value.strip().lower() if isinstance(value, str) else value
+    if name not in CAPACITY_POLICIES:
+        raise ValueError(f"capacity_policy: {value!r} is not allowed; allowed values: {', '.join(CAPACITY_POLICIES)} "
+                         "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)")
+    return name

@@ -8,6 +8,7 @@ the Triton adapter owns it from one loop thread and feeds it through a queue.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -23,6 +24,7 @@ from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
 from inflightllm.guided.spec import GuidedSpecError, check_spec
+from inflightllm.kv_pressure import PreemptionCostModel
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
 from inflightllm.models.loader import LoadedModel, load_model
@@ -126,6 +128,17 @@ class EngineStats:
     num_rejected_total: int = 0
     num_shared_blocks: int = 0  # blocks held by more than one sequence (sequence groups, prefix hits)
     num_cow_copies_total: int = 0  # blocks copied on a shared block's first write
+    # KV pressure (docs/KV-PRESSURE.md): tokens computed again after preemptions (what the
+    # victims had computed less what they got back: swapped in or found in the prefix
+    # cache), blocks and bytes copied to host memory and back by swap preemptions.
+    num_recomputed_tokens_total: int = 0
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
+    swapped_out_bytes_total: int = 0
+    swapped_in_bytes_total: int = 0
+    # The figures `preemption_mode: auto` decides by (None: not measured).
+    host_link_bytes_per_second: float | None = None
+    prefill_seconds_per_token: float | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -145,6 +158,8 @@ class _Counters:
     failed: int = 0
     timed_out: int = 0
     rejected: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
     pending: list[RequestOutput] = field(default_factory=list)
 
 
@@ -218,7 +233,17 @@ class Engine:
             self.runner = FaultInjectingRunner(self.runner)
         blocks = self.runner.num_blocks
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse)
-        self.scheduler = Scheduler(config, self.block_manager)
+        # The cost model of `preemption_mode: auto`: the runner's host link, measured at its
+        # start (None for runners without one: auto recomputes), and the prefill seconds per
+        # token of this engine's own steps (`_observe_step`).
+        self.host_link = getattr(self.runner, "host_link", None)
+        self.costs = PreemptionCostModel(self.host_link)
+        if self.host_link is not None:
+            logger.info("KV host link: %.2f GB/s measured, %d bytes per block",
+                        self.host_link.bytes_per_second / 1e9, self.host_link.bytes_per_block)
+        self.scheduler = Scheduler(config, self.block_manager, self.costs)
+        self._last_result_time = 0.0  # asynchronous scheduling: when the previous step's tokens came
+        self._inflight_timing: tuple[float, int] | None = None  # its launch time and tokens, if it had prefill
         # What the runner holds: blocks of each request it knows, and what to tell it next.
         self._runner_blocks: dict[str, int] = {}  # running in the runner: block ids sent
         self._runner_held: set[str] = set()  # the runner has state for these (preempted too)
@@ -731,11 +756,17 @@ class Engine:
                 self._forget_preempted(scheduled)
                 return outputs
             try:
-                sampled = self.runner.execute(self._describe(scheduled))
+                description = self._describe(scheduled)
+                started = time.perf_counter()
+                sampled = self.runner.execute(description)
             except Exception as error:  # fail this step's requests only; the engine goes on
                 self._fail_step(scheduled, error, outputs)
                 return outputs
+            if self._counters.tokens_last_step > len(scheduled.scheduled):  # a prefill chunk in it
+                self.costs.observe_step(time.perf_counter() - started, self._counters.tokens_last_step)
             self._counters.steps += 1
+            if scheduled.swapped_out or scheduled.swapped_in:
+                self._count_swaps(scheduled)
             size = self.block_manager.block_size
             for item in scheduled.scheduled:
                 request = item.request
@@ -753,6 +784,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._counters.tokens_last_step = scheduled.num_batched_tokens
         launched = None
+        launch_timing = None
         deferred: list[Request] = []  # constrained rows whose masks come after the launch
         if scheduled.is_empty and not scheduled.swapped_out:
             self._forget_preempted(scheduled)
@@ -771,6 +803,11 @@ class Engine:
                 self._fail_step(scheduled, error, outputs)
             else:
                 self._counters.steps += 1
+                if scheduled.swapped_out or scheduled.swapped_in:
+                    self._count_swaps(scheduled)
+                tokens = self._counters.tokens_last_step
+                if tokens > len(scheduled.scheduled):  # a prefill chunk in it: timed when its tokens come
+                    launch_timing = (described, tokens)
                 for item in scheduled.scheduled:
                     request = item.request
                     samples = item.samples
@@ -788,6 +825,7 @@ class Engine:
         if launched is not None and deferred:
             self._sample_guided(launched[0], deferred, outputs)
         self._inflight = launched
+        self._inflight_timing = launch_timing
         return outputs
 
     def _forget_preempted(self, scheduled: SchedulerOutput) -> None:
@@ -796,6 +834,29 @@ class Engine:
         for request in scheduled.preempted:
             if self._runner_blocks.pop(request.request_id, None) is not None:
                 self._runner_reset.append(request.request_id)
+
+    def _count_swaps(self, scheduled: SchedulerOutput) -> None:
+        """Blocks a step that ran copied to host memory and back (swap preemptions)."""
+        counters = self._counters
+        counters.swapped_out_blocks += sum(len(block_ids) for _, block_ids in scheduled.swapped_out)
+        counters.swapped_in_blocks += sum(len(block_ids) for _, block_ids in scheduled.swapped_in)
+
+    def reconfigure(self, **changes) -> None:
+        """Change scheduling settings of an idle engine (perf/bench_rows.py compares capacity
+        policies and preemption modes on one loaded model): `capacity_policy`,
+        `kv_watermark`, `preemption_mode`, `swap_space_blocks`. The block manager and the
+        scheduler start afresh (an empty prefix cache, so variants compare fairly); the
+        runner, its KV memory and the measured costs stay."""
+        allowed = ("capacity_policy", "kv_watermark", "preemption_mode", "swap_space_blocks")
+        unknown = sorted(set(changes) - set(allowed))
+        if unknown:
+            raise ValueError(f"reconfigure: {', '.join(unknown)} cannot change; allowed: {', '.join(allowed)}")
+        if self.has_unfinished() or self.requests:
+            raise RuntimeError("reconfigure: the engine has unfinished requests; allowed only when idle")
+        self.config = dataclasses.replace(self.config, **changes)
+        manager = self.block_manager
+        self.block_manager = BlockManager(manager.num_blocks, manager.block_size, self.config.enable_kv_cache_reuse)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.costs)
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
         """A step that raised fails its own requests only; the engine goes on."""
@@ -821,10 +882,16 @@ class Engine:
     def _resolve(self, outputs: list[RequestOutput]) -> None:
         """Wait for the step in flight and emit its tokens (asynchronous scheduling)."""
         handle, scheduled = self._inflight
-        self._inflight = None
+        timing, self._inflight = self._inflight_timing, None
+        self._inflight_timing = None
         start = time.perf_counter()
         try:
             sampled = handle.result()
+            done = time.perf_counter()
+            if timing is not None:  # the device ran it from its launch or the previous step's end
+                launched_at, tokens = timing
+                self.costs.observe_step(done - max(launched_at, self._last_result_time), tokens)
+            self._last_result_time = done
         except Exception as error:  # the step failed on the device: its requests fail alone
             logger.exception("engine step failed; failing the %d requests of the step", len(scheduled))
             message = f"engine step failed: {type(error).__name__}: {error}"
@@ -1134,6 +1201,8 @@ class Engine:
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> EngineStats:
         manager = self.block_manager
+        link = self.host_link
+        block_bytes = link.bytes_per_block if link is not None else 0  # unknown without a host link
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -1155,4 +1224,11 @@ class Engine:
             num_rejected_total=self._counters.rejected,
             num_shared_blocks=manager.num_shared_blocks,
             num_cow_copies_total=manager.cow_copies_total,
+            num_recomputed_tokens_total=self.scheduler.num_recomputed_tokens,
+            num_swapped_out_blocks_total=self._counters.swapped_out_blocks,
+            num_swapped_in_blocks_total=self._counters.swapped_in_blocks,
+            swapped_out_bytes_total=self._counters.swapped_out_blocks * block_bytes,
+            swapped_in_bytes_total=self._counters.swapped_in_blocks * block_bytes,
+            host_link_bytes_per_second=link.bytes_per_second if link is not None else None,
+            prefill_seconds_per_token=self.costs.prefill_seconds_per_token,
         )

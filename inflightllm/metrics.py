@@ -91,6 +91,18 @@ class EngineMetrics:
                        for cause in ("error", "timeout", "rejected")}
         self.swapped_out = counter("inflightllm_swapped_out_total",
                                    "Preemptions that moved a request's blocks to host memory").Metric(labels=labels)
+        self.recomputed_tokens = counter(
+            "inflightllm_recomputed_tokens_total",
+            "Tokens computed again after preemptions (computed before, neither swapped back nor found in the "
+            "prefix cache)").Metric(labels=labels)
+        swap_blocks = counter("inflightllm_kv_swap_blocks_total",
+                              "KV blocks copied to host memory (out) and back (in) by swap preemptions")
+        swap_bytes = counter("inflightllm_kv_swap_bytes_total",
+                             "Bytes of KV blocks copied to host memory (out) and back (in) by swap preemptions")
+        self.swap_blocks = {direction: swap_blocks.Metric(labels={**labels, "direction": direction})
+                            for direction in ("out", "in")}
+        self.swap_bytes = {direction: swap_bytes.Metric(labels={**labels, "direction": direction})
+                           for direction in ("out", "in")}
         self.shared_blocks = gauge("inflightllm_kv_cache_shared_blocks",
                                    "KV-cache blocks held by more than one sequence (the outputs of one request, "
                                    "prefix-cache hits)").Metric(labels=labels)
@@ -128,6 +140,12 @@ class EngineMetrics:
             (self.steps, stats.num_steps_total, last.num_steps_total if last else 0),
             (self.swapped_out, stats.num_swapped_out_total, last.num_swapped_out_total if last else 0),
             (self.cow_copies, stats.num_cow_copies_total, last.num_cow_copies_total if last else 0),
+            (self.recomputed_tokens, stats.num_recomputed_tokens_total, last.num_recomputed_tokens_total if last else 0),
+            (self.swap_blocks["out"], stats.num_swapped_out_blocks_total,
+             last.num_swapped_out_blocks_total if last else 0),
+            (self.swap_blocks["in"], stats.num_swapped_in_blocks_total, last.num_swapped_in_blocks_total if last else 0),
+            (self.swap_bytes["out"], stats.swapped_out_bytes_total, last.swapped_out_bytes_total if last else 0),
+            (self.swap_bytes["in"], stats.swapped_in_bytes_total, last.swapped_in_bytes_total if last else 0),
             (self.failed["timeout"], stats.num_timed_out_total, last.num_timed_out_total if last else 0),
             (self.failed["error"], stats.num_failed_total - stats.num_timed_out_total,
              last.num_failed_total - last.num_timed_out_total if last else 0),

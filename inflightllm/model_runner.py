@@ -12,6 +12,7 @@ import torch
 
 from inflightllm.attention import AttentionBackend, SequenceSlice, make_attention_backend
 from inflightllm.guided.matcher import apply_step_bitmask
+from inflightllm.kv_pressure import measure_host_link
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
 from inflightllm.sampler import Sampler
@@ -89,6 +90,8 @@ class ModelRunner:
             num_blocks, block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, loaded.dtype, self.device
         )
         self.num_blocks = num_blocks
+        # Measured once, before any request: what `preemption_mode: auto` weighs a swap by.
+        self.host_link = measure_host_link(self.attention.key_cache, self.attention.value_cache, num_blocks)
         self.states = RequestStates()
         self.sampler = Sampler(sampler_seed)
 

@@ -22,6 +22,7 @@ import yaml
 
 from inflightllm.config import (
     BATCHING_STRATEGIES,
+    CAPACITY_POLICIES,
     DEVICE_KINDS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
@@ -381,6 +382,17 @@ def _read_device(reader: _Reader, data: dict) -> tuple[str, tuple[int, ...], int
     return kind, gpu_ids, tensor_parallel_size, data_parallel_size
 
 
+def _capacity_policy(reader: _Reader, value: Any) -> str:
+    text = reader.string(value, "engine.capacity_policy")
+    if text.strip().lower() not in CAPACITY_POLICIES:
+        reader.fail(
+            "engine.capacity_policy",
+            f"{text!r} is not allowed; allowed values: {', '.join(CAPACITY_POLICIES)} "
+            "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)",
+        )
+    return text.strip().lower()
+
+
 def _read_engine(
     reader: _Reader,
     data: dict,
@@ -422,6 +434,9 @@ def _read_engine(
             PREEMPTION_MODES,
         ),
         "swap_space_blocks": reader.integer(get("swap_space_blocks"), "engine.swap_space_blocks", 0),
+        # TensorRT-LLM's names (GUARANTEED_NO_EVICT, MAX_UTILIZATION) in any case: ours, lowercase.
+        "capacity_policy": _capacity_policy(reader, get("capacity_policy")),
+        "kv_watermark": reader.number(get("kv_watermark"), "engine.kv_watermark"),
         # On by default on GPUs, where the host work between steps would leave the GPU idle.
         "async_scheduling": reader.boolean(section.get("async_scheduling", kind == "gpu"), "engine.async_scheduling"),
         "step_timeout_s": reader.number(get("step_timeout_s"), "engine.step_timeout_s"),
@@ -439,6 +454,12 @@ def _read_engine(
             f"'dummy' runs no model and holds no KV memory, on the host alone: it needs device.kind 'cpu' "
             f"and device.tensor_parallel_size 1 (got {kind!r}, {tensor_parallel_size}); it measures the "
             "response path of any deployment from there",
+        )
+    if not 0.0 <= values["kv_watermark"] < 1.0:
+        reader.fail(
+            "engine.kv_watermark",
+            f"{section.get('kv_watermark')} is out of range; allowed: at least 0 and less than 1 "
+            "(the fraction of KV blocks an admission leaves free; vLLM uses 0.01)",
         )
     if not 0.0 < values["step_timeout_s"] <= 86400.0:
         reader.fail(

@@ -60,6 +60,7 @@ class Request:
     num_preemptions: int = 0
     num_swapped_blocks: int = 0  # swap mode: its computed blocks held in host memory while preempted
     admitted_seq: int = -1  # order of (re-)admission into the running set
+    num_computed_before_preemption: int = 0  # preempted: the tokens it had computed (recomputed-token count)
 
     # Generated-token bookkeeping.
     logprobs: list[float] = field(default_factory=list)

@@ -16,14 +16,28 @@ In-flight batching (`batching_strategy: inflight`), every step:
    running requests of lower priority than it exist: the lowest of them is preempted
    to make room (so a flood of low-priority work does not delay a high-priority one).
 
+Capacity policies (`capacity_policy`, docs/KV-PRESSURE.md):
+- `max_utilization` (the default): admission takes what fits now, keeping
+  `kv_watermark` of the blocks free while other requests run (vLLM's watermark: a decode
+  step right after an admission does not preempt at once); the running requests grow
+  into the rest, and preemption (above) frees blocks when they run out.
+- `guaranteed_no_evict` (TensorRT-LLM's GUARANTEED_NO_EVICT): every running request (a
+  sequence group as one: the shared prompt counted once, each sequence's tail and its
+  copy-on-write copy apart) is guaranteed the blocks of its prompt + max_tokens; a waiting
+  request is admitted only when its own worst case, less the prefix-cache blocks others
+  already hold, fits in the free blocks beside those guarantees. A running request is
+  never preempted (not for a higher priority either); a request that does not fit waits.
+
 Static batching (`batching_strategy: static`) admits a new batch only when the running
 set is empty, and runs that batch to completion: the baseline for comparisons.
 
 Preemption modes: `recompute` frees a victim's blocks and recomputes its tokens later
-(often from the prefix cache); `swap` copies its computed blocks to host memory (the
-runner's attention backend does the copies, before the step's forward) and copies them
-back into fresh blocks on readmission, falling back to recompute when the host pool is
-full.
+(from the prefix cache, as far as its freed blocks are still cached); `swap` copies its
+computed blocks to host memory (the runner's attention backend does the copies, before
+the step's forward) and copies them back into fresh blocks on readmission, falling back
+to recompute when the host pool is full; `auto` (the default) chooses per victim by the
+measured costs (inflightllm.kv_pressure.PreemptionCostModel): swap when copying its full
+computed blocks out and back is cheaper than computing their tokens again.
 
 Sequence groups (several outputs of one request, inflightllm.sequence_group) move as a
 whole: a group's first sequence is admitted only with room in the batch for all its
@@ -46,6 +60,7 @@ from operator import attrgetter
 
 from inflightllm.block_manager import BlockManager
 from inflightllm.config import EngineConfig
+from inflightllm.kv_pressure import PreemptionCostModel
 from inflightllm.request import Request, RequestStatus
 
 _priority = attrgetter("priority")
@@ -153,9 +168,13 @@ class WaitingQueue:
 class Scheduler:
     """Token-budgeted scheduler with chunked prefill, priorities and preemption."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 costs: PreemptionCostModel | None = None):
+        """`costs`: what `preemption_mode: auto` decides by (the engine's, fed with its step
+        timings and the runner's host link); None: auto recomputes."""
         self.config = config
         self.block_manager = block_manager
+        self.costs = costs
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in admission order (at most max_batch_size)
         self._next_arrival = 0
@@ -163,11 +182,18 @@ class Scheduler:
         self.num_preemptions = 0
         # Fraction of the KV blocks in use when the first preemption was needed (None: never).
         self.kv_usage_at_first_preemption: float | None = None
-        self.num_swapped_out = 0  # swap-mode preemptions
+        self.num_swapped_out = 0  # preemptions that swapped (the others recompute)
+        # Tokens computed again after a preemption: those it had computed less those it got
+        # back (swapped in, or found in the prefix cache) on readmission.
+        self.num_recomputed_tokens = 0
         self.swap_space_blocks = 0
-        if config.preemption_mode == "swap":
+        if config.preemption_mode in ("swap", "auto"):
             self.swap_space_blocks = config.swap_space_blocks or block_manager.num_blocks
         self.num_free_swap_blocks = self.swap_space_blocks
+        self.no_evict = config.capacity_policy == "guaranteed_no_evict"
+        # max_utilization: blocks an admission leaves free while others run (vLLM rounds down too).
+        self.watermark_blocks = 0 if self.no_evict else int(config.kv_watermark * block_manager.num_blocks)
+        self._outstanding = 0  # guaranteed_no_evict: running units' reservations not yet held (per step)
 
     # ---- queue ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -209,8 +235,9 @@ class Scheduler:
             manager = self.block_manager
             self.kv_usage_at_first_preemption = manager.num_used_blocks / manager.num_blocks
         self.running.remove(request)
+        request.num_computed_before_preemption = request.num_computed_tokens
         num_swap = request.num_computed_tokens // self.block_manager.block_size  # full computed blocks
-        if self.swap_space_blocks and 0 < num_swap <= self.num_free_swap_blocks:
+        if self.swap_space_blocks and 0 < num_swap <= self.num_free_swap_blocks and self._swaps(request, num_swap):
             # Keep the K/V of its full computed blocks: the runner copies them to host memory
             # before this step's forward overwrites anything.
             output.swapped_out.append((request, list(request.block_table[:num_swap])))
@@ -228,6 +255,28 @@ class Scheduler:
         # Back to the head of the queue: before every waiting request of its priority.
         self.waiting.push_front(request)
 
+    def _swaps(self, request: Request, num_swap: int) -> bool:
+        """Whether a victim with `num_swap` full computed blocks is swapped (rather than
+        recomputed): always in `swap` mode; in `auto`, when the measured costs say so.
+        Recompute would compute again only the blocks no other running request holds (a
+        block another holds stays cached and is found on readmission), unless the victim
+        belongs to a group (its group's sequences are preempted with it)."""
+        if self.config.preemption_mode == "swap":
+            return True
+        if self.costs is None:
+            return False
+        blocks = self.block_manager.blocks
+        private = num_swap if request.group is not None else sum(
+            1 for block_id in request.block_table[:num_swap] if blocks[block_id].ref_count == 1)
+        return self.costs.prefers_swap(num_swap, private * self.block_manager.block_size)
+
+    def _count_recomputed(self, request: Request) -> None:
+        """Readmitted after a preemption: what it had computed but did not get back counts."""
+        lost = request.num_computed_before_preemption - request.num_computed_tokens
+        if lost > 0:
+            self.num_recomputed_tokens += lost
+        request.num_computed_before_preemption = 0
+
     @staticmethod
     def _unschedule(output: SchedulerOutput, request: Request) -> int:
         """Drop a request already scheduled this step; returns the tokens given back."""
@@ -238,8 +287,10 @@ class Scheduler:
         return 0
 
     def _victim(self, candidates: list[Request]) -> Request:
-        """Lowest priority first, then the most recently admitted."""
-        return min(candidates, key=lambda r: (r.priority, -r.admitted_seq))
+        """Lowest priority first, then the latest arrival (a request resumed after a
+        preemption is not the first victim again for being readmitted last), then the
+        latest admission (the sequences of one group arrived together)."""
+        return min(candidates, key=lambda r: (r.priority, -r.arrival_seq, -r.admitted_seq))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -295,6 +346,8 @@ class Scheduler:
 
         if output.preempted:
             return output
+        # guaranteed_no_evict: blocks the running units may still take (admissions add theirs).
+        self._outstanding = self._outstanding_reservations() if self.no_evict and self.waiting else 0
         if self.config.batching_strategy == "static":
             if not self.running:
                 self._admit_static_batch(output, budget)
@@ -307,6 +360,8 @@ class Scheduler:
                 if num_new is not None:
                     budget -= num_new
                     continue
+            if self.no_evict:
+                break  # guaranteed_no_evict: the head waits for room; nothing running is evicted
             # The head does not fit (batch or KV cache full): a running request of lower
             # priority makes room, so a high-priority arrival never waits behind a flood.
             lower = [r for r in self.running if r.priority < head.priority]
@@ -326,6 +381,61 @@ class Scheduler:
             return group.num_sequences
         return sum(1 for r in group.sequences if r.status is RequestStatus.WAITING)
 
+    # ---- capacity ------------------------------------------------------------------------
+    def _reservation(self, request: Request) -> int:
+        """guaranteed_no_evict: the most blocks the request's unit (itself, or its whole
+        sequence group) can hold: its prompt + max_tokens; for a group, the prompt blocks
+        its sequences share (those before the token where it forks) once and every
+        sequence's tail (its copy of the partial block included) apart."""
+        manager = self.block_manager
+        total = manager.blocks_for_tokens(request.num_prompt_tokens + request.params.max_tokens)
+        group = request.group
+        if group is None:
+            return total
+        shared = (request.num_prompt_tokens - 1) // manager.block_size
+        return shared + group.num_sequences * (total - shared)
+
+    def _held(self, request: Request) -> int:
+        """Blocks the request's unit holds now (a group's shared blocks once)."""
+        group = request.group
+        if group is None:
+            return len(request.block_table)
+        running = RequestStatus.RUNNING
+        return len({b for r in group.sequences if r.status is running for b in r.block_table})
+
+    def _outstanding_reservations(self) -> int:
+        """Blocks the running units may still take: each one's reservation less what it
+        holds (a block it shares with another unit counts for both: it needs no new one)."""
+        total = 0
+        seen: set[int] = set()
+        for request in self.running:
+            group = request.group
+            if group is not None:
+                if id(group) in seen:
+                    continue
+                seen.add(id(group))
+            total += max(0, self._reservation(request) - self._held(request))
+        return total
+
+    def _fits(self, request: Request, num_new_blocks: int, num_held_hits: int = 0) -> bool:
+        """Whether an admission that takes `num_new_blocks` free blocks now (its cached
+        prefix blocks that nobody holds included) may go ahead under the capacity policy.
+        guaranteed_no_evict: its unit's whole reservation, less `num_held_hits` (cached
+        prefix blocks others hold already), must fit beside the running units' outstanding
+        reservations. max_utilization: `watermark_blocks` stay free while others run."""
+        free = self.block_manager.num_free_blocks
+        if num_new_blocks > free:
+            return False
+        if self.no_evict:
+            needed = max(num_new_blocks, self._reservation(request) - num_held_hits)
+            return needed <= free - self._outstanding
+        return not self.running or free - num_new_blocks >= self.watermark_blocks
+
+    def _reserve(self, request: Request) -> None:
+        """guaranteed_no_evict: an admitted unit's outstanding reservation joins the others'."""
+        if self.no_evict:
+            self._outstanding += max(0, self._reservation(request) - self._held(request))
+
     def _try_admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Admit the head of the queue with up to `budget` new tokens; None if it does not fit."""
         manager = self.block_manager
@@ -334,15 +444,22 @@ class Scheduler:
             return self._try_admit_group(group, budget, output)
         if request.num_swapped_blocks:
             num_new = min(self._admission_target(request) - request.num_computed_tokens, budget)
-            if manager.blocks_for_tokens(request.num_computed_tokens + num_new) > manager.num_free_blocks:
+            if not self._fits(request, manager.blocks_for_tokens(request.num_computed_tokens + num_new)):
                 return None
             self._admit_swapped(request, num_new, output)
         else:
             computed = manager.get_computed_blocks(request)
             num_new = min(self._admission_target(request) - len(computed) * manager.block_size, budget)
-            if not manager.can_allocate(request, computed, num_new):
+            # Blocks it takes from the free queue: its new ones and its cached prefix blocks
+            # that nobody holds (BlockManager.can_allocate counts the same).
+            blocks = manager.blocks
+            held_hits = sum(1 for block_id in computed if blocks[block_id].ref_count > 0)
+            taken = (manager.blocks_for_tokens(len(computed) * manager.block_size + num_new) - len(computed)
+                     + len(computed) - held_hits)
+            if not self._fits(request, taken, held_hits):
                 return None
             self._admit(request, computed, num_new)
+        self._reserve(request)
         if num_new > 0:
             output.scheduled.append(ScheduledRequest(request, num_new))
         return num_new
@@ -373,7 +490,7 @@ class Scheduler:
                 reclaimed.update(b for b in computed if manager.blocks[b].ref_count == 0)
                 plans.append((member, computed, num_new))
             left -= num_new
-        if needed + len(reclaimed) > manager.num_free_blocks:
+        if not self._fits(members[0], needed + len(reclaimed)):
             return None
         # Cached prefixes first, all at once (no member's growth may evict another's hit).
         together = [(member, computed, num_new) for member, computed, num_new in plans if computed is not None]
@@ -386,9 +503,11 @@ class Scheduler:
             else:
                 if not member.first_admitted:
                     member.num_cached_tokens = member.num_computed_tokens
+                self._count_recomputed(member)
                 self.start_running(member)
             if num_new > 0:
                 output.scheduled.append(ScheduledRequest(member, num_new))
+        self._reserve(members[0])
         return budget - left
 
     def _admit_swapped(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
@@ -396,6 +515,7 @@ class Scheduler:
         self.block_manager.allocate_fresh(request, request.num_computed_tokens + num_new)
         output.swapped_in.append((request, list(request.block_table[: request.num_swapped_blocks])))
         self._release_swap(request)
+        self._count_recomputed(request)
         self.start_running(request)
 
     def _admit(self, request: Request, computed: list[int], num_new: int) -> None:
@@ -403,6 +523,7 @@ class Scheduler:
         self.block_manager.allocate(request, computed, num_new)
         if not request.first_admitted:
             request.num_cached_tokens = request.num_computed_tokens
+        self._count_recomputed(request)
         self.start_running(request)
 
     def start_running(self, request: Request) -> None:

@@ -13,9 +13,21 @@ The engine is built from the profile with `--max-batch-size` / `--max-num-tokens
 overrides (defaults 1,024 and 16,384, as the issue measured), and optionally
 `--quantization` / `--kv-cache-dtype` overrides, so that bf16 and fp8 of one profile
 compare in one run (`--variants bf16,fp8`). Per row: output tok/s, wall seconds,
-preemptions, steps. A warm-up of 64 short requests runs first.
+preemptions, recomputed tokens (and their % of the generated ones), swapped blocks and
+bytes, steps. A warm-up of 64 short requests runs first.
+
+KV pressure (docs/KV-PRESSURE.md): `--capacity-policy`, `--preemption-mode` and
+`--kv-watermark` take comma lists; every combination runs on the same loaded engine
+(`Engine.reconfigure`: a fresh block manager and scheduler, an empty prefix cache), so
+guaranteed_no_evict and max_utilization, or recompute, swap and auto, compare in one run.
+`--sampling greedy,sampled,sampled-penalty` runs each row with each sampling (sampled:
+temperature 0.8, top_p 0.95, top_k 50; sampled-penalty: the same + repetition_penalty 1.1
+and 5 top log probs), on prompts of their own (no prefix-cache hit across them), and
+prints the throughput ratio to greedy.
 
     python -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants bf16,fp8 --out $OUT/rows.json
+    python -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --capacity-policy max_utilization,guaranteed_no_evict \
+        --preemption-mode recompute,auto --sampling greedy,sampled,sampled-penalty --out $OUT/pressure.json
     python -m perf.bench_rows --profile profiles/smollm2-cpu.yaml --rows 16/8x8 --max-batch-size 8   # CPU check
 
 Prints a table; `--out` saves the figures as JSON.
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import platform
@@ -34,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from inflightllm.config import CAPACITY_POLICIES, PREEMPTION_MODES, capacity_policy_name
 from inflightllm.engine import Engine
 from inflightllm.llm import LLM
 from inflightllm.profile import load_profile
@@ -44,6 +58,14 @@ ROWS = "128/128x1024,2048/128x512,128/2048x512,2048/2048x256"
 # TensorRT-LLM's published H200 figures (FP8, its performance overview), output tok/s.
 PUBLISHED = {(128, 128): 27911, (2048, 128): 3538, (128, 2048): 26221, (2048, 2048): 12194}
 VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "fp8"), "fp8-weights": ("fp8", "auto")}
+# --sampling: the rows' requests sampled each way (all with ignore_eos, so every row generates
+# the same number of tokens).
+SAMPLINGS = {
+    "greedy": {},
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+    "sampled-penalty": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1,
+                        "logprobs": True, "top_logprobs": 5},
+}
 
 
 def parse_rows(text: str) -> list[tuple[int, int, int]]:
@@ -59,9 +81,31 @@ def parse_rows(text: str) -> list[tuple[int, int, int]]:
 
 
 
-def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int) -> dict:
-    prompts = prompts_of(count, isl, engine.vocab_size, seed=isl * 7 + osl)
-    params = SamplingParams(max_tokens=osl, ignore_eos=True)
+def parse_list(text: str | None, option: str, allowed: tuple | None = None, kind=str) -> list:
+    """A comma list of an option; [None] when not given (the profile's setting)."""
+    if text is None:
+        return [None]
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            value = kind(item)
+            if option == "--capacity-policy":
+                value = capacity_policy_name(value)
+        except ValueError:
+            raise SystemExit(f"{option}: {item!r} is not allowed; allowed: "
+                             f"{', '.join(allowed) if allowed else 'numbers'}") from None
+        if allowed is not None and value not in allowed:
+            raise SystemExit(f"{option}: {item!r} is not allowed; allowed: {', '.join(allowed)}")
+        values.append(value)
+    return values
+
+
+def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int, sampling: str = "greedy") -> dict:
+    # Each sampling gets prompts of its own: no prefix-cache hit from the sampling before it.
+    offset = list(SAMPLINGS).index(sampling) * 1000
+    prompts = prompts_of(count, isl, engine.vocab_size, seed=isl * 7 + osl + offset)
+    params = SamplingParams(max_tokens=osl, ignore_eos=True, **SAMPLINGS[sampling])
     before = engine.stats()
     sync()
     start = time.perf_counter()
@@ -72,10 +116,18 @@ def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int) -> dict:
     generated = sum(len(r.token_ids) for r in results)
     if generated != count * osl:
         raise RuntimeError(f"row {isl}/{osl}x{count}: {generated} tokens generated, expected {count * osl}")
+    recomputed = after.num_recomputed_tokens_total - before.num_recomputed_tokens_total
     row = {
-        "isl": isl, "osl": osl, "requests": count, "seconds": round(seconds, 3),
+        "isl": isl, "osl": osl, "requests": count, "sampling": sampling, "seconds": round(seconds, 3),
         "output_tok_s": round(generated / seconds, 1),
         "preemptions": after.num_preemptions_total - before.num_preemptions_total,
+        "swap_preemptions": after.num_swapped_out_total - before.num_swapped_out_total,
+        "recomputed_tokens": recomputed,
+        "recomputed_pct_of_generated": round(100.0 * recomputed / generated, 2),
+        "swapped_out_blocks": after.num_swapped_out_blocks_total - before.num_swapped_out_blocks_total,
+        "swapped_in_blocks": after.num_swapped_in_blocks_total - before.num_swapped_in_blocks_total,
+        "swapped_out_bytes": after.swapped_out_bytes_total - before.swapped_out_bytes_total,
+        "swapped_in_bytes": after.swapped_in_bytes_total - before.swapped_in_bytes_total,
         "steps": after.num_steps_total - before.num_steps_total,
     }
     published = PUBLISHED.get((isl, osl))
@@ -83,6 +135,40 @@ def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int) -> dict:
         row["trtllm_published_fp8"] = published
         row["vs_published"] = round(row["output_tok_s"] / published, 3)
     return row
+
+
+def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, rows, samplings, start_s, longest):
+    config = engine.config
+    stats = engine.stats()
+    entry = {"quantization": spec.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+             "capacity_policy": config.capacity_policy, "preemption_mode": config.preemption_mode,
+             "kv_watermark": config.kv_watermark, "engine_start_s": start_s,
+             "kv_blocks": stats.num_blocks_total, "block_size": config.block_size,
+             "host_link_gb_s": round(stats.host_link_bytes_per_second / 1e9, 2)
+             if stats.host_link_bytes_per_second else None,
+             "longest_request": longest, "rows": []}
+    print(json.dumps({k: v for k, v in entry.items() if k != "rows"} | {"variant": name}), flush=True)
+    for isl, osl, count in rows:
+        greedy = None
+        for sampling in samplings:
+            row = run_row(engine, llm, isl, osl, count, sampling)
+            if sampling == "greedy":
+                greedy = row["output_tok_s"]
+            elif greedy:
+                row["ratio_to_greedy"] = round(row["output_tok_s"] / greedy, 3)
+            entry["rows"].append(row)
+            print(f"{name:12s} {isl:5d}/{osl:<5d} x{count:5d} {sampling:15s}: {row['output_tok_s']:10.1f} output tok/s "
+                  f"({row['seconds']:.1f} s, {row['preemptions']} preemptions ({row['swap_preemptions']} swapped), "
+                  f"{row['recomputed_tokens']} recomputed tokens ({row['recomputed_pct_of_generated']:.1f}% of "
+                  f"generated), {row['swapped_out_blocks']}/{row['swapped_in_blocks']} blocks swapped out/in "
+                  f"({(row['swapped_out_bytes'] + row['swapped_in_bytes']) / 2**20:.1f} MiB), {row['steps']} steps)"
+                  + (f"  {row['ratio_to_greedy']:.2f}x greedy" if "ratio_to_greedy" in row else "")
+                  + (f"  {row['vs_published']:.2f}x TensorRT-LLM's {row['trtllm_published_fp8']}"
+                     if "vs_published" in row and sampling == "greedy" else ""), flush=True)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report | {"variants": report["variants"] | {name: entry}}, indent=2))
+    report["variants"][name] = entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +180,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--max-num-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--capacity-policy", default=None,
+                        help="comma-separated of " + ", ".join(CAPACITY_POLICIES) + " (default: the profile's)")
+    parser.add_argument("--preemption-mode", default=None,
+                        help="comma-separated of " + ", ".join(PREEMPTION_MODES) + " (default: the profile's)")
+    parser.add_argument("--kv-watermark", default=None,
+                        help="comma-separated fractions of the KV blocks kept free at admission (default: the profile's)")
+    parser.add_argument("--sampling", default="greedy",
+                        help="comma-separated of " + ", ".join(SAMPLINGS) + " (each row runs each; default greedy)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     profile = load_profile(args.profile)
     rows = parse_rows(args.rows)
+    policies = parse_list(args.capacity_policy, "--capacity-policy", CAPACITY_POLICIES)
+    modes = parse_list(args.preemption_mode, "--preemption-mode", PREEMPTION_MODES)
+    watermarks = parse_list(args.kv_watermark, "--kv-watermark", kind=float)
+    if any(w is not None and not 0.0 <= w < 1.0 for w in watermarks):
+        raise SystemExit(f"--kv-watermark: {args.kv_watermark!r}: each must be at least 0 and less than 1")
+    # Greedy first: the others print their throughput as a ratio to it.
+    samplings = sorted(set(parse_list(args.sampling, "--sampling", tuple(SAMPLINGS))), key=list(SAMPLINGS).index)
     longest = max(isl + osl for isl, osl, _ in rows)
     report = {"profile": args.profile, "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "variants": {}}
@@ -120,22 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(spec, config, sampler_seed=0)
         llm = LLM(spec, engine=engine, load_tokenizer_too=False)
         llm.generate(prompts_of(64, 16, engine.vocab_size, seed=1), SamplingParams(max_tokens=8, ignore_eos=True))
-        entry = {"quantization": spec.quantization, "kv_cache_dtype": config.kv_cache_dtype,
-                 "engine_start_s": round(time.perf_counter() - started, 1),
-                 "kv_blocks": engine.stats().num_blocks_total, "block_size": config.block_size,
-                 "longest_request": longest, "rows": []}
-        print(json.dumps({k: v for k, v in entry.items() if k != "rows"} | {"variant": variant}), flush=True)
-        for isl, osl, count in rows:
-            row = run_row(engine, llm, isl, osl, count)
-            entry["rows"].append(row)
-            print(f"{variant:12s} {isl:5d}/{osl:<5d} x{count:5d}: {row['output_tok_s']:10.1f} output tok/s "
-                  f"({row['seconds']:.1f} s, {row['preemptions']} preemptions, {row['steps']} steps)"
-                  + (f"  {row['vs_published']:.2f}x TensorRT-LLM's {row['trtllm_published_fp8']}"
-                     if "vs_published" in row else ""), flush=True)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(report | {"variants": report["variants"] | {variant: entry}}, indent=2))
-        report["variants"][variant] = entry
+        start_s = round(time.perf_counter() - started, 1)
+        for policy, mode, watermark in itertools.product(policies, modes, watermarks):
+            changes = {key: value for key, value in (("capacity_policy", policy), ("preemption_mode", mode),
+                                                     ("kv_watermark", watermark)) if value is not None}
+            if changes:  # the same weights and KV memory; a fresh scheduler and an empty prefix cache
+                engine.reconfigure(**changes)
+            name = "/".join([variant] + [str(value) for value in changes.values()])
+            run_variant(args, report, name, engine, llm, spec, rows, samplings, start_s, longest)
         del llm, engine
         gc.collect()
         if torch.cuda.is_available():

@@ -38,3 +38,60 @@ def test_rows_for_two_variants(tmp_path, capsys):
 def test_a_bad_row_is_named():
     with pytest.raises(SystemExit, match="--rows: '128x128' is not ISL/OSLxREQUESTS"):
         bench_rows.parse_rows("128/128x4,128x128")
+
+
+def test_capacity_policies_and_preemption_modes_in_one_run(tmp_path, capsys):
+    # 12 blocks of 16 tokens (512 bytes a token in bf16): 6 requests of 16 + 24 tokens need
+    # 18 blocks at their end, so max_utilization preempts and guaranteed_no_evict holds back.
+    data = PROFILE | {"engine": {**PROFILE["engine"], "kv_cache_bytes": 12 * 16 * 512}}
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    out = tmp_path / "pressure.json"
+    assert bench_rows.main(["--profile", str(profile), "--rows", "16/24x6", "--max-batch-size", "8",
+                            "--max-num-tokens", "256", "--capacity-policy", "max_utilization,GUARANTEED_NO_EVICT",
+                            "--preemption-mode", "recompute,swap", "--kv-watermark", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) == {f"profile/{policy}/{mode}/0.0" for policy in ("max_utilization",
+                                       "guaranteed_no_evict") for mode in ("recompute", "swap")}
+    for name, entry in report["variants"].items():
+        assert entry["kv_blocks"] == 12 and entry["kv_watermark"] == 0.0
+        assert entry["capacity_policy"] in name and entry["preemption_mode"] in name
+        assert entry["host_link_gb_s"] > 0
+        [row] = entry["rows"]
+        assert row["sampling"] == "greedy" and row["swapped_in_blocks"] == row["swapped_out_blocks"]
+        if entry["capacity_policy"] == "guaranteed_no_evict":
+            assert row["preemptions"] == row["recomputed_tokens"] == row["swapped_out_blocks"] == 0
+        elif entry["preemption_mode"] == "recompute":
+            assert row["preemptions"] > 0 and row["recomputed_tokens"] > 0 and row["swapped_out_blocks"] == 0
+            assert row["recomputed_pct_of_generated"] == round(100 * row["recomputed_tokens"] / (6 * 24), 2)
+        else:  # swap: full blocks come back, partial ones are computed again
+            assert row["swap_preemptions"] == row["preemptions"] > 0 and row["swapped_out_blocks"] > 0
+            # tiny-llama3: 2 layers x (K, V) x 16 tokens x 2 KV heads x 32 x 2 bytes a block
+            assert row["swapped_out_bytes"] == row["swapped_out_blocks"] * 2 * 2 * 16 * 2 * 32 * 2
+    assert "guaranteed_no_evict" in capsys.readouterr().out
+
+
+def test_samplings_in_one_run_with_their_ratio_to_greedy(tmp_path, capsys):
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    out = tmp_path / "sampling.json"
+    assert bench_rows.main(["--profile", str(profile), "--rows", "16/4x2", "--max-batch-size", "4",
+                            "--max-num-tokens", "256", "--sampling", "sampled-penalty,greedy,sampled",
+                            "--out", str(out)]) == 0
+    [entry] = json.loads(out.read_text())["variants"].values()
+    rows = entry["rows"]
+    assert [row["sampling"] for row in rows] == ["greedy", "sampled", "sampled-penalty"]  # greedy first
+    assert "ratio_to_greedy" not in rows[0]
+    for row in rows[1:]:
+        assert row["ratio_to_greedy"] == round(row["output_tok_s"] / rows[0]["output_tok_s"], 3)
+    assert "x greedy" in capsys.readouterr().out
+
+
+def test_bad_kv_pressure_options_are_named():
+    with pytest.raises(SystemExit, match="--capacity-policy: 'static' is not allowed; allowed: max_utilization, "
+                                         "guaranteed_no_evict"):
+        bench_rows.parse_list("max_utilization,static", "--capacity-policy", ("max_utilization", "guaranteed_no_evict"))
+    with pytest.raises(SystemExit, match="--sampling: 'beam' is not allowed; allowed: greedy, sampled, sampled-penalty"):
+        bench_rows.parse_list("greedy,beam", "--sampling", tuple(bench_rows.SAMPLINGS))
+    with pytest.raises(SystemExit, match="--kv-watermark: 'lots' is not allowed; allowed: numbers"):
+        bench_rows.parse_list("0.01,lots", "--kv-watermark", kind=float)

@@ -3,7 +3,9 @@
 Each KV slot of the stub records the token prefix it was computed from, and every
 scheduled context is checked before each step (tests/stub_model.py). Random arrivals
 (from prompt families that share prefixes), priorities, client aborts, a small KV cache
-(preemptions, both recompute and swap), prefix-cache hits, and requests with several
+(preemptions: recompute, swap, and auto choosing per victim by fixed cost figures; the
+capacity policies max_utilization with a random watermark, and guaranteed_no_evict, which
+must never preempt), prefix-cache hits, and requests with several
 outputs (sequence groups: n, best_of, beam search over the stub's candidates; shared
 blocks, copy-on-write, beams forking and dying); after every step the block
 accounting is checked against the live requests, and at the end every block is free, the
@@ -18,6 +20,7 @@ import random
 import pytest
 
 from inflightllm.beam_search import BeamSearch
+from inflightllm.kv_pressure import HostLink, PreemptionCostModel
 from inflightllm.request import FinishReason, RequestStatus
 from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.sequence_group import GroupParams
@@ -67,13 +70,20 @@ def check_invariants(engine) -> None:
     assert engine.runner.violations == []
 
 
-def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
+def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250, policy: str = "max_utilization") -> dict:
     rng = random.Random(seed)
     block_size = rng.choice([2, 4])
     engine = stub_engine(num_blocks=rng.choice([8, 12, 16]) * 4 // block_size, block_size=block_size,
                          max_batch_size=rng.choice([3, 6]), max_num_tokens=rng.choice([8, 16, 64]),
                          preemption_mode=mode, swap_space_blocks=rng.choice([0, 6]),
-                         enable_kv_cache_reuse=prefix_caching, priority_levels=3)
+                         enable_kv_cache_reuse=prefix_caching, priority_levels=3,
+                         capacity_policy=policy, kv_watermark=rng.choice([0.0, 0.1, 0.25]))
+    if mode == "auto":
+        # Fixed figures (the stub has no host link, its steps no real cost): a swap of n blocks
+        # costs as much as recomputing 0.75 n blocks' tokens, so victims whose blocks others
+        # share recompute and the others swap.
+        engine.scheduler.costs = PreemptionCostModel(HostLink(bytes_per_second=1.0, bytes_per_block=3 * block_size),
+                                                     prefill_seconds_per_token=8.0)
     families = [[rng.randrange(1, 97) for _ in range(rng.randrange(2, 10))] for _ in range(4)]
     expected: dict[str, list[int]] = {}
     received: dict[tuple[str, int], list[int]] = {}  # (request id, sequence index) -> tokens
@@ -145,6 +155,11 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
                 got = received.get((request_id, index), [])
                 assert expected[request_id][: len(got)] == got
     groups = sum(1 for count in outputs_of.values() if count > 1)
+    if policy == "guaranteed_no_evict":
+        assert stats.num_preemptions_total == 0, "guaranteed_no_evict preempted"
+    assert stats.num_swapped_in_blocks_total <= stats.num_swapped_out_blocks_total
+    if stats.num_preemptions_total == 0:
+        assert stats.num_recomputed_tokens_total == 0
     return {
         "preemptions": stats.num_preemptions_total,
         "swaps": stats.num_swapped_out_total,
@@ -155,10 +170,13 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250) -> dict:
         "groups": groups,
         "beam_groups": sum(1 for request_id in completed if request_id in beams_expected),
         "cow_copies": stats.num_cow_copies_total,
+        "recomputed": stats.num_recomputed_tokens_total,
+        "swapped_in_blocks": stats.num_swapped_in_blocks_total,
+        "recompute_preemptions": stats.num_preemptions_total - stats.num_swapped_out_total,
     }
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_fuzz_finds_no_leak_and_no_wrong_sharing(mode, prefix_caching):
     totals: dict[str, int] = {}
@@ -169,7 +187,25 @@ def test_fuzz_finds_no_leak_and_no_wrong_sharing(mode, prefix_caching):
     assert totals["preemptions"] > 20 and totals["cancelled"] > 10 and totals["completed"] > 300
     assert totals["contexts_checked"] > 10_000
     assert totals["groups"] > 100 and totals["cow_copies"] > 50 and totals["beam_groups"] > 20
-    if mode == "swap":
-        assert totals["swaps"] > 10
+    if mode in ("swap", "auto"):
+        assert totals["swaps"] > 10 and totals["swapped_in_blocks"] > 10
+    if mode in ("recompute", "auto"):
+        assert totals["recompute_preemptions"] > 10 and totals["recomputed"] > 0
+    if mode == "auto" and prefix_caching:  # auto chose each way
+        assert totals["swaps"] > 10 and totals["recompute_preemptions"] > 10
+    if prefix_caching:
+        assert totals["prefix_hits"] > 100
+
+
+@pytest.mark.parametrize("mode", ["recompute", "auto"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_fuzz_guaranteed_no_evict_never_preempts(mode, prefix_caching):
+    totals: dict[str, int] = {}
+    for seed in range(12):
+        for key, value in fuzz(seed, mode, prefix_caching, policy="guaranteed_no_evict").items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["preemptions"] == 0 and totals["recomputed"] == 0 and totals["swaps"] == 0
+    assert totals["cancelled"] > 10 and totals["completed"] > 300 and totals["contexts_checked"] > 10_000
+    assert totals["groups"] > 100 and totals["cow_copies"] > 50 and totals["beam_groups"] > 20
     if prefix_caching:
         assert totals["prefix_hits"] > 100

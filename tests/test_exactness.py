@@ -144,6 +144,33 @@ def test_preemption_equals_transformers(smollm2_loaded, smollm2_reference, promp
     assert stats.num_blocks_used == 0
 
 
+@pytest.mark.parametrize("policy, mode, watermark", [
+    ("guaranteed_no_evict", "recompute", 0.0),
+    ("max_utilization", "auto", 0.1),
+])
+def test_capacity_policies_equal_transformers(smollm2_loaded, smollm2_reference, prompts, policy, mode, watermark):
+    """The cache of the preemption test above: guaranteed_no_evict holds requests back and
+    never preempts; max_utilization with a watermark and auto (swap or recompute by the
+    measured costs of this machine) preempts. Outputs equal transformers either way."""
+    longest = max(len(p) + n for p, n in zip(prompts, MAX_TOKENS))
+    blocks = -(-longest // 16) + 6
+    config = EngineConfig(max_num_tokens=24, num_kv_blocks=blocks, preemption_mode=mode, capacity_policy=policy,
+                          kv_watermark=watermark)
+    arrivals = [0] * 8 + [1] * 8
+    results, engine = run_engine(smollm2_loaded, prompts, MAX_TOKENS, config, arrivals)
+    assert_equal_to_reference(smollm2_reference, prompts, MAX_TOKENS, results)
+    stats = engine.stats()
+    assert stats.host_link_bytes_per_second > 0 and stats.prefill_seconds_per_token > 0  # measured
+    if policy == "guaranteed_no_evict":
+        assert stats.num_preemptions_total == 0 and stats.num_recomputed_tokens_total == 0
+    else:
+        assert engine.scheduler.watermark_blocks == int(0.1 * blocks) >= 1
+        assert stats.num_preemptions_total > 0
+        assert stats.num_swapped_in_blocks_total <= stats.num_swapped_out_blocks_total
+        assert stats.swapped_out_bytes_total == stats.num_swapped_out_blocks_total * engine.host_link.bytes_per_block
+    assert stats.num_blocks_used == 0
+
+
 def test_prefix_cache_hits_leave_outputs_unchanged(smollm2_loaded, smollm2_reference, smollm2_tokenizer):
     chats = [
         smollm2_tokenizer.apply_chat_template(

@@ -100,6 +100,24 @@ def test_vllm_aliases_follow_our_figures():
     }
 
 
+def test_kv_pressure_counters_follow_the_stats():
+    _Family.created = {}
+    metrics = EngineMetrics(_PbUtils, model_name="engine")
+    metrics.update(_stats(), [])
+    metrics.update(_stats(num_preemptions_total=3, num_swapped_out_total=1, num_recomputed_tokens_total=40,
+                          num_swapped_out_blocks_total=4, num_swapped_in_blocks_total=2,
+                          swapped_out_bytes_total=4096, swapped_in_bytes_total=2048), [])
+    metrics.update(_stats(num_preemptions_total=3, num_swapped_out_total=1, num_recomputed_tokens_total=50,
+                          num_swapped_out_blocks_total=4, num_swapped_in_blocks_total=4,
+                          swapped_out_bytes_total=4096, swapped_in_bytes_total=4096), [])
+    assert _value("inflightllm_preemptions_total") == 3 and _value("inflightllm_swapped_out_total") == 1
+    assert _value("inflightllm_recomputed_tokens_total") == 50
+    assert _value("inflightllm_kv_swap_blocks_total", direction="out") == 4
+    assert _value("inflightllm_kv_swap_blocks_total", direction="in") == 4
+    assert _value("inflightllm_kv_swap_bytes_total", direction="out") == 4096
+    assert _value("inflightllm_kv_swap_bytes_total", direction="in") == 4096
+
+
 @pytest.mark.server
 def _calls() -> int:
     return sum(metric.calls for family in _Family.created.values() for metric in family.metrics)

@@ -24,8 +24,8 @@ from inflightllm.profile import (
 )
 
 ENGINE_KEYS = (
-    "async_scheduling, batching_strategy, block_size, cuda_graphs, enable_kv_cache_reuse, gpu_memory_utilization, "
-    "kv_cache_bytes, kv_cache_dtype, max_batch_size, max_beam_width, max_input_length, max_n, max_num_tokens, "
+    "async_scheduling, batching_strategy, block_size, capacity_policy, cuda_graphs, enable_kv_cache_reuse, "
+    "gpu_memory_utilization, kv_cache_bytes, kv_cache_dtype, kv_watermark, max_batch_size, max_beam_width, max_input_length, max_n, max_num_tokens, "
     "max_output_len, preemption_mode, "
     "priority_levels, queue_policy, runner, step_timeout_s, stream_interval, swap_space_blocks"
 )
@@ -359,6 +359,23 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
             [("device.kind", "gpu"), ("device.gpu_ids", [0, 1, 2, 3]), ("device.tensor_parallel_size", 4)],
             "device.tensor_parallel_size: 4 does not divide the model's 2 KV heads",
         ),
+        # KV pressure (docs/KV-PRESSURE.md)
+        (
+            [("engine.capacity_policy", "Fast")],
+            "engine.capacity_policy: 'Fast' is not allowed; allowed values: max_utilization, guaranteed_no_evict "
+            "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)",
+        ),
+        ([("engine.capacity_policy", 1)], "engine.capacity_policy: expected a string, got 1 (int)"),
+        (
+            [("engine.kv_watermark", 1.0)],
+            "engine.kv_watermark: 1.0 is out of range; allowed: at least 0 and less than 1 (the fraction of KV "
+            "blocks an admission leaves free; vLLM uses 0.01)",
+        ),
+        ([("engine.kv_watermark", "low")], "engine.kv_watermark: expected a number, got 'low' (str)"),
+        (
+            [("engine.preemption_mode", "drop")],
+            "engine.preemption_mode: 'drop' is not allowed; allowed values: auto, recompute, swap",
+        ),
         # engine cross-checks
         (
             [("engine.max_batch_size", 64), ("engine.max_num_tokens", 32)],
@@ -594,3 +611,30 @@ def test_every_shipped_profile_loads_and_is_named_after_its_file():
     assert {"llama3-70b-tp8-h200.yaml", "llama3-8b-h200.yaml", "smollm2-cpu.yaml"} <= {p.name for p in paths}
     for path in paths:
         assert load_profile(path).name == path.stem
+
+
+@pytest.mark.parametrize("written, policy", [
+    ("guaranteed_no_evict", "guaranteed_no_evict"), ("GUARANTEED_NO_EVICT", "guaranteed_no_evict"),
+    ("MAX_UTILIZATION", "max_utilization"), ("Max_Utilization", "max_utilization"),
+])
+def test_capacity_policy_takes_tensorrt_llm_names_in_any_case(tmp_path, written, policy):
+    profile = load_profile(write(tmp_path, with_changes(("engine.capacity_policy", written),
+                                                        ("engine.kv_watermark", 0.05),
+                                                        ("engine.preemption_mode", "swap"))))
+    assert (profile.engine.capacity_policy, profile.engine.kv_watermark) == (policy, 0.05)
+    assert profile.engine.preemption_mode == "swap"
+    # Into the engine model's parameters and back.
+    assert EngineConfig.from_parameters(profile.engine.to_parameters()) == profile.engine
+
+
+def test_engine_config_checks_the_kv_pressure_settings_itself():
+    assert EngineConfig().capacity_policy == "max_utilization" and EngineConfig().preemption_mode == "auto"
+    assert EngineConfig(capacity_policy=" GUARANTEED_NO_EVICT").capacity_policy == "guaranteed_no_evict"
+    with pytest.raises(ValueError, match=r"^capacity_policy: 'static' is not allowed; allowed values: max_utilization, "
+                                         r"guaranteed_no_evict \(or TensorRT-LLM's GUARANTEED_NO_EVICT, "
+                                         r"MAX_UTILIZATION; any case\)$"):
+        EngineConfig.from_parameters({"capacity_policy": "static"})
+    with pytest.raises(ValueError, match="preemption_mode: 'drop' is not allowed; allowed values: auto, recompute, swap"):
+        EngineConfig(preemption_mode="drop")
+    with pytest.raises(ValueError, match="kv_watermark: -0.1 is out of range"):
+        EngineConfig(kv_watermark=-0.1)

@@ -29,6 +29,7 @@ from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
 from inflightllm.gpu.staging import PinnedStaging
 from inflightllm.guided.matcher import apply_step_bitmask
+from inflightllm.kv_pressure import measure_host_link
 from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
@@ -123,6 +124,8 @@ class GpuModelRunner:
         )
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self._bytes_per_block()
+        # A timed pinned copy over the (still unused) cache: what preemption_mode auto weighs a swap by.
+        self.host_link = measure_host_link(self.attention.key_cache, self.attention.value_cache, num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30,

@@ -141,6 +141,9 @@ class TensorParallelRunner:
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel start failed: {reason}") from error
         self.num_blocks = self.runner.num_blocks
+        # Rank 0's measured host link: every rank swaps its own share of a block over its own
+        # link at the same time, so rank 0's figures are the step's (preemption_mode auto).
+        self.host_link = getattr(self.runner, "host_link", None)
         logger.info(
             "tensor parallel: %d ranks (%s), workers %s, %d KV blocks each",
             self.world_size, backend, [w.pid for w in self.workers], self.num_blocks,

@@ -142,13 +142,14 @@ def test_fp32_chunked_prefill_equals_transformers(fp32_engine_and_reference):
     assert_equal(reference, prompts, MAX_TOKENS[:8], results)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_fp32_preemption_equals_transformers(fp32_engine_and_reference, mode):
     """Preempted requests are recomputed, or (swap) their KV blocks go to host memory and
-    come back by CUDA copies; either way the ids stay transformers'."""
+    come back by CUDA copies, or (auto) either by the measured costs; the ids stay
+    transformers'."""
     engine, reference = fp32_engine_and_reference
-    swap = {"preemption_mode": "swap", "swap_space_blocks": 200} if mode == "swap" else {}
-    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, **swap)
+    settings = {"preemption_mode": mode} | ({"swap_space_blocks": 200} if mode != "recompute" else {})
+    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, **settings)
     prompts = make_prompts(8, engine.vocab_size, seed=2)
     max_tokens = [40] * 8
     results = run(tight, prompts, max_tokens)
@@ -156,7 +157,35 @@ def test_fp32_preemption_equals_transformers(fp32_engine_and_reference, mode):
     assert stats.num_preemptions_total > 0, "the schedule should have preempted"
     if mode == "swap":
         assert stats.num_swapped_out_total > 0, "the schedule should have swapped requests out"
+    if mode == "recompute":
+        assert stats.num_swapped_out_total == 0 and stats.num_recomputed_tokens_total > 0
+    assert stats.num_swapped_in_blocks_total <= stats.num_swapped_out_blocks_total
+    assert stats.swapped_out_bytes_total == stats.num_swapped_out_blocks_total * tight.host_link.bytes_per_block
     assert_equal(reference, prompts, max_tokens, results)
+
+
+def test_fp32_guaranteed_no_evict_equals_transformers(fp32_engine_and_reference):
+    """The cache of the preemption test: guaranteed_no_evict holds requests back instead."""
+    engine, reference = fp32_engine_and_reference
+    tight = fresh_engine(engine, num_kv_blocks=40, max_batch_size=8, capacity_policy="guaranteed_no_evict")
+    prompts = make_prompts(8, engine.vocab_size, seed=2)
+    max_tokens = [40] * 8
+    results = run(tight, prompts, max_tokens)
+    stats = tight.stats()
+    assert stats.num_preemptions_total == 0 and stats.num_recomputed_tokens_total == 0
+    assert_equal(reference, prompts, max_tokens, results)
+
+
+def test_host_link_is_measured_at_start(fp32_engine_and_reference):
+    """The runner's timed pinned copy: a plausible PCIe / C2C figure, and the bytes of one
+    block of the whole cache (every layer, K and V)."""
+    engine, _ = fp32_engine_and_reference
+    link = engine.host_link
+    runner = engine.runner
+    assert link.bytes_per_block * runner.num_blocks == runner.kv_cache_bytes
+    assert 1e9 < link.bytes_per_second < 1e12, link
+    stats = engine.stats()
+    assert stats.host_link_bytes_per_second == link.bytes_per_second
 
 
 def test_fp32_prefix_hits_equal_transformers(fp32_engine_and_reference):
