@@ -36,6 +36,7 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule and launch step N+1 before step N's tokens are emitted
     preemption_mode: str = "recompute"  # recompute | swap (a preempted request's blocks go to host memory)
     swap_space_blocks: int = 0  # swap: host-memory blocks for preempted requests; 0 = as many as KV blocks
+    host_kv_cache_bytes: int = 0  # host KV tier of the prefix cache (evicted blocks kept in host memory); 0 = off
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu

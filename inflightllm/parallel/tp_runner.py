@@ -141,6 +141,9 @@ class TensorParallelRunner:
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel start failed: {reason}") from error
         self.num_blocks = self.runner.num_blocks
+        # The host KV tier: every rank sizes it from the same budget and the same shard shape.
+        self.num_host_blocks = getattr(self.runner, "num_host_blocks", 0)
+        self.host_kv_bytes_per_block = getattr(self.runner, "host_kv_bytes_per_block", 0)
         logger.info(
             "tensor parallel: %d ranks (%s), workers %s, %d KV blocks each",
             self.world_size, backend, [w.pid for w in self.workers], self.num_blocks,
