@@ -183,7 +183,7 @@ class BlockManager:
         slots = [tier.reserve(key) for key in host_keys]
         keys = iter(zip(host_keys, slots))
         result: list[int] = []
-        for index, block_id in enumerate(hits):
+        for block_id in hits:
             if block_id is None:
                 key, slot = next(keys)
                 block_id, _ = self.free_queue.popitem(last=False)

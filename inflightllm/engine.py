@@ -19,10 +19,10 @@ import numpy as np
 
 from inflightllm import request_rules as rules
 from inflightllm.block_manager import BlockManager
-from inflightllm.host_kv_tier import HostKVTier
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
 from inflightllm.guided.spec import GuidedSpecError, check_spec
+from inflightllm.host_kv_tier import HostKVTier
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
 from inflightllm.models.loader import LoadedModel, load_model
