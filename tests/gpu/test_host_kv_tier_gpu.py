@@ -35,6 +35,7 @@ def test_offload_then_onload_round_trips_blocks(kv_cache_dtype):
     per_block = attention.allocate_host_tier(150)
     element = 1 if kv_cache_dtype == "fp8" else 2
     assert per_block == 3 * 2 * 16 * 2 * 64 * element
+    assert attention.host_kv.is_pinned()  # registered (or torch-pinned): asynchronous copies
     cache = attention.kv_cache  # [layers, 2, blocks, 16, 2, 64]
     generator = torch.Generator(device="cuda").manual_seed(0)
     cache.view(torch.uint8).copy_(torch.randint(0, 120, cache.view(torch.uint8).shape, generator=generator,

@@ -82,6 +82,33 @@ def _checked_scales(kv_scales) -> list[tuple[float, float]]:
     return checked
 
 
+class PinnedHostTensor:
+    """A page-locked host tensor of exactly its size: pageable memory registered with
+    cudaHostRegister (torch's pinned allocator rounds each allocation up to a power of two:
+    a 40 GiB host tier would pin 64 GiB), unregistered when this object goes. Where
+    registering is not available or fails, torch's pinned allocator instead."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.registered = False
+        tensor = torch.empty(shape, dtype=dtype, device="cpu")
+        try:
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+            self.registered = int(error) == 0
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            log.info("cudaHostRegister unavailable (%s); torch's pinned allocator instead", exc)
+        if not self.registered:
+            tensor = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        self.tensor = tensor
+
+    def __del__(self):
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+                pass
+            self.registered = False
+
+
 class _FlatCaches(HostSwapMixin):
     """The caches seen as per-layer slot tensors [num_blocks * block_size, kvh, d] (views),
     for the host swap copies."""
@@ -176,6 +203,7 @@ class CudaPagedAttention(AttentionBackend):
         # kvh, d] (one block's every layer contiguous), its copy stream and a device staging
         # buffer of HOST_TIER_CHUNK blocks in the same layout.
         self.host_kv: torch.Tensor | None = None
+        self._host_memory: PinnedHostTensor | None = None
         self._copy_stream = None
         self._host_staging: torch.Tensor | None = None
 
@@ -233,7 +261,8 @@ class CudaPagedAttention(AttentionBackend):
         cache = self.kv_cache
         layers, _, _, block_size, kv_heads, head_dim = cache.shape
         shape = (num_host_blocks, layers, 2, block_size, kv_heads, head_dim)
-        self.host_kv = torch.empty(shape, dtype=cache.dtype, pin_memory=True)
+        self._host_memory = PinnedHostTensor(shape, cache.dtype)
+        self.host_kv = self._host_memory.tensor
         self._copy_stream = torch.cuda.Stream(device=cache.device)
         chunk = min(HOST_TIER_CHUNK, num_host_blocks)
         self._host_staging = torch.empty((chunk, *shape[1:]), dtype=cache.dtype, device=cache.device)
