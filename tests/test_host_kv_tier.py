@@ -181,3 +181,39 @@ def test_engine_counts_host_hits_and_copies():
     assert stats.host_kv_onloaded_blocks_total == 4
     assert stats.host_kv_offloaded_blocks_total >= 4 and stats.host_kv_blocks_total == 16
     assert 4 <= stats.host_kv_blocks_held <= 16
+
+
+def test_the_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="host_kv_cache_bytes > 0 needs enable_kv_cache_reuse: true"):
+        stub_engine(num_blocks=8, num_host_blocks=4, enable_kv_cache_reuse=False)
+
+
+def test_a_failed_step_with_onloads_leaves_the_cache_right():
+    """A step that raises after its host hits were queued: its requests fail, the device keys
+    of the onloaded blocks are dropped, and the same prefix later is computed right."""
+    from inflightllm.faults import STEP_FAULT_SEED
+
+    engine = stub_engine(num_blocks=8, block_size=4, num_host_blocks=16, max_batch_size=1, fault_injection=True)
+
+    def finish(request_id, prompt, **params):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=3, **params))
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        return outputs
+
+    prompt = list(range(1, 18))
+    finish("first", prompt)
+    for index in range(3):
+        finish(f"other{index}", [60 + index] * 20)
+    before = engine.stats().host_kv_onloaded_blocks_total
+    [failed] = finish("fails", prompt + [5], seed=STEP_FAULT_SEED)
+    assert failed.error is not None and "injected model step fault" in failed.error
+    assert engine.stats().host_kv_onloaded_blocks_total == before + 4
+    manager = engine.block_manager
+    hashes = manager._block_hashes(make_request("probe", prompt + [5]), 4)
+    assert not any(key in manager.cached_blocks for key in hashes)  # dropped with the failed step
+    outputs = finish("again", prompt + [5])
+    assert [t for o in outputs for t in o.new_token_ids] == reference_output(prompt + [5], 3)
+    assert engine.runner.violations == []
+    manager.host_tier.check()
