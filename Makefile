@@ -24,7 +24,7 @@ SERVER_STAMP := build/tritonserver/BUILD_INFO.json
 .PHONY: install serve serve-bundle bundle test test-fast lint render-configs check-configs prepare-model demo bench bench-rows clean serve-openai genai-perf aiperf genai-perf-venv aiperf-venv \
 	bench-serve bench-inflight-static bench-prefix-cache bench-dynamic-batching bench-triton-vs-engine \
 	bench-experiments perf-analyzer bench-gpu-server plots-from-json \
-	bench-bookkeeping soak bench-pieces bench-host-path
+	bench-bookkeeping soak bench-pieces bench-host-path bench-multiturn
 
 install: $(INSTALL_STAMP) $(SERVER_STAMP)
 
@@ -202,6 +202,14 @@ bench-pieces: install prepare-model
 bench-host-path: install prepare-model
 	for mode in engine loop; do for stream in "" --stream; do \
 	  OMP_NUM_THREADS=1 $(PY) -m perf.bench_host_path --mode $$mode $$stream $(BENCH_ARGS) | tail -1; done; done
+
+# Multi-turn chat through a GPU cache of a third of the working set, with and without the
+# host KV tier (perf/bench_multiturn.py, docs/HOST-KV-TIER.md): SmolLM2 on CPU at small sizes
+# here; on the GPU host: $(PY) -m perf.bench_multiturn --shape llama3-8b --device gpu --out multiturn.json
+MULTITURN_ARGS ?= --profile $(PROFILE) --conversations 8 --turns 3 --system-tokens 64 --user-tokens 64 \
+	--output-tokens 16 --concurrency 2 --out multiturn.json
+bench-multiturn: install prepare-model
+	$(PY) -m perf.bench_multiturn $(MULTITURN_ARGS) $(BENCH_ARGS)
 
 # Host time per engine step at 256 running and 5,000 waiting requests (no model).
 bench-bookkeeping: install

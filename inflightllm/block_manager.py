@@ -15,6 +15,12 @@ and hash and wait in the free queue; the queue's front is evicted first:
   before any cached content is lost;
 - cached blocks go to the back, a request's blocks in reverse order, so the tail of a
   sequence (least likely to be shared) is evicted before its prefix — an LRU.
+
+With a host tier (inflightllm.host_kv_tier, `engine.host_kv_cache_bytes`), an evicted cached
+block is offered to host memory first, and a prefix lookup that runs out of device hits
+continues the chain there: each host hit is copied back into a fresh block that takes its
+key in the device cache (free and cached, like any other hit) before the request is
+admitted, so admission itself is unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from inflightllm.host_kv_tier import HostKVTier
 from inflightllm.request import Request
 
 
@@ -34,6 +41,7 @@ class Block:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     parent_hash: bytes | None = None  # the key of the block before it when it was cached
+    onloaded: bool = False  # its contents come from the host tier (counted as host hits when taken)
 
 
 ROOT_KEY = hashlib.sha256(b"inflightllm prefix cache v1").digest()
@@ -56,9 +64,14 @@ def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key:
 class BlockManager:
     """Allocates fixed-size KV blocks to requests; optional prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_tier: HostKVTier | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("a host KV tier extends the prefix cache: it needs prefix caching on")
+        self.host_tier = host_tier
+        self.host_hit_tokens = 0  # prefix-hit tokens whose blocks came back from the host tier
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -110,34 +123,122 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, tokens))
         return hashes if len(hashes) == num_full_blocks else hashes[:num_full_blocks]
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
+    def get_computed_blocks(self, request: Request, onload: bool = True) -> list[int]:
         """Cached blocks that hold a prefix of the request's tokens.
 
         At least one token is always left to compute (its logits are needed), so a
         fully cached token sequence gives up its last block.
+
+        With a host tier and `onload`, the chain goes on in host memory where the device
+        cache has no block: each host hit takes a fresh free block now (its copy back is
+        queued for the next step) that joins the device cache as a free cached block, and
+        is returned like a device hit. At least one free block is left besides the hits.
+        (The scheduler passes onload=False while planning a group's admission: a later
+        member's onload must not take a free block an earlier member's plan counts on.)
         """
         if not self.enable_prefix_caching:
             return []
         max_full_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
+        hits: list[int | None] = []  # device block id, or None for a host hit
+        host_keys: list[bytes] = []
+        tier = self.host_tier if onload else None
         size = self.block_size
         for index, block_hash in enumerate(self._block_hashes(request, max_full_blocks)):
-            block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             parent = self._parent_key(request, index)
-            if block.token_ids != tokens or block.parent_hash != parent:
-                break  # a key collision: never share a block with other contents or another prefix
-            hits.append(block_id)
-        return hits
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.token_ids != tokens or block.parent_hash != parent:
+                    break  # a key collision: never share a block with other contents or another prefix
+                hits.append(block_id)
+            elif tier is not None and tier.lookup(block_hash, tokens, parent) is not None:
+                hits.append(None)
+                host_keys.append(block_hash)
+            else:
+                break
+        if not host_keys:
+            return hits
+        return self._onload(hits, host_keys)
+
+    def _onload(self, hits: list[int | None], host_keys: list[bytes]) -> list[int]:
+        """Give the host hits (None in `hits`, keys in order in `host_keys`) fresh device
+        blocks, as many as leave one free block besides the free device hits; the chain
+        stops at the first host hit that gets none."""
+        tier = self.host_tier
+        free_hits = [block_id for block_id in hits if block_id is not None and self.blocks[block_id].ref_count == 0]
+        room = self.num_free_blocks - len(free_hits) - 1
+        if room < len(host_keys):
+            cut = [i for i, block_id in enumerate(hits) if block_id is None][max(room, 0)]
+            hits = hits[:cut]
+            host_keys = host_keys[: max(room, 0)]
+            if not host_keys:
+                return hits
+        # The free device hits to the back of the LRU (they are about to be used), so the
+        # blocks taken below (from the front) are never one of them.
+        for block_id in free_hits:
+            self.free_queue.move_to_end(block_id)
+        # Pin the host slots first: the evictions below offload blocks to the tier, which
+        # must not give these entries' slots away.
+        slots = [tier.reserve(key) for key in host_keys]
+        keys = iter(zip(host_keys, slots))
+        result: list[int] = []
+        for block_id in hits:
+            if block_id is None:
+                key, slot = next(keys)
+                block_id, _ = self.free_queue.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.block_hash is not None:
+                    self._num_free_cached -= 1
+                self._evict_if_cached(block)
+                entry = tier.entries[key]
+                block.block_hash, block.token_ids, block.parent_hash = key, entry.token_ids, entry.parent_hash
+                block.onloaded = True
+                self.cached_blocks[key] = block_id
+                self.free_queue[block_id] = None  # free and cached, at the back
+                self._num_free_cached += 1
+                tier.bind_onload(slot, block_id)
+            result.append(block_id)
+        return result
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's queued copies for the next step ((device block, host slot)
+        offloads, (host slot, device block) onloads); empty lists without a tier."""
+        if self.host_tier is None:
+            return [], []
+        return self.host_tier.take_transfers()
+
+    def discard_transfers(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]]) -> None:
+        """A step carrying these copies failed (they may not have happened): forget the
+        host entries they filled and the device cache keys of the blocks they filled."""
+        if self.host_tier is None:
+            return
+        self.host_tier.forget_slots([slot for _, slot in offloads])
+        for _, block_id in onloads:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if block.ref_count == 0:
+                self._num_free_cached -= 1
+                self.free_queue.move_to_end(block_id, last=False)
+            self._uncache(block)
 
     @staticmethod
     def _parent_key(request: Request, index: int) -> bytes | None:
         return request.block_hashes[index - 1] if index > 0 else None
 
     def _evict_if_cached(self, block: Block) -> None:
+        """The block is being reused: drop its key (offered to the host tier first, unless
+        another block holds the same key)."""
+        tier = self.host_tier
+        if tier is not None:
+            tier.cancel_onload(block.block_id)  # its queued copy back is no longer wanted
+            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) == block.block_id:
+                tier.offload(block.block_hash, block.token_ids, block.parent_hash, block.block_id)
+        self._uncache(block)
+
+    def _uncache(self, block: Block) -> None:
+        block.onloaded = False
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block.block_id:
                 del self.cached_blocks[block.block_hash]
@@ -214,6 +315,9 @@ class BlockManager:
     def _take_computed(self, request: Request, computed_blocks: list[int]) -> None:
         for block_id in computed_blocks:
             block = self.blocks[block_id]
+            if block.onloaded:
+                block.onloaded = False
+                self.host_hit_tokens += self.block_size
             if block.ref_count == 0:
                 del self.free_queue[block_id]
                 if block.block_hash is not None:

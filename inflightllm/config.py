@@ -45,6 +45,7 @@ class EngineConfig:
     swap_space_blocks: int = 0  # swap: host-memory blocks for preempted requests; 0 = as many as KV blocks
     capacity_policy: str = "max_utilization"  # max_utilization | guaranteed_no_evict
     kv_watermark: float = 0.01  # max_utilization: fraction of the KV blocks kept free when admitting (vLLM's 0.01)
+    host_kv_cache_bytes: int = 0  # host KV tier of the prefix cache (evicted blocks kept in host memory); 0 = off
     max_queue_size: int = 0  # waiting requests before new ones are rejected; 0 = unbounded
     default_timeout_microseconds: int = 0  # a waiting request older than this is rejected; 0 = never
     device: str = "cpu"  # cpu | gpu

@@ -24,6 +24,7 @@ from inflightllm.block_manager import BlockManager
 from inflightllm.config import RUNNERS, EngineConfig
 from inflightllm.detokenizer import context_window, tokenizer_vocabulary
 from inflightllm.guided.spec import GuidedSpecError, check_spec
+from inflightllm.host_kv_tier import HostKVTier
 from inflightllm.kv_pressure import PreemptionCostModel
 from inflightllm.model_runner import make_model_runner
 from inflightllm.model_source import ModelDims, ModelSpec, kv_element_bytes
@@ -139,6 +140,21 @@ class EngineStats:
     # The figures `preemption_mode: auto` decides by (None: not measured).
     host_link_bytes_per_second: float | None = None
     prefill_seconds_per_token: float | None = None
+    # Host KV tier (engine.host_kv_cache_bytes; all 0 when off).
+    host_kv_blocks_total: int = 0  # host slots
+    host_kv_blocks_held: int = 0  # slots holding a block
+    host_kv_offloaded_blocks_total: int = 0  # evicted device blocks copied to host memory
+    host_kv_onloaded_blocks_total: int = 0  # host blocks copied back on a prefix hit
+    host_kv_bytes_per_block: int = 0  # bytes one block copy moves (either way)
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits: tokens whose blocks came from the host tier
+
+    @property
+    def host_kv_offloaded_bytes_total(self) -> int:
+        return self.host_kv_offloaded_blocks_total * self.host_kv_bytes_per_block
+
+    @property
+    def host_kv_onloaded_bytes_total(self) -> int:
+        return self.host_kv_onloaded_blocks_total * self.host_kv_bytes_per_block
 
     @property
     def kv_usage(self) -> float:
@@ -232,7 +248,15 @@ class Engine:
 
             self.runner = FaultInjectingRunner(self.runner)
         blocks = self.runner.num_blocks
-        self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse)
+        # The host KV tier: as many host slots as the runner allocated (it sizes them from
+        # engine.host_kv_cache_bytes and its own bytes per block); runners without one: off.
+        host_blocks = int(getattr(self.runner, "num_host_blocks", 0) or 0)
+        if host_blocks > 0 and not config.enable_kv_cache_reuse:
+            raise ValueError("host_kv_cache_bytes > 0 needs enable_kv_cache_reuse: true (the host tier extends "
+                             "the prefix cache)")
+        host_tier = HostKVTier(host_blocks, config.block_size) if host_blocks > 0 else None
+        self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse, host_tier)
+        self._step_transfers: tuple[list, list] = ([], [])  # the last described step's host-tier copies
         # The cost model of `preemption_mode: auto`: the runner's host link, measured at its
         # start (None for runners without one: auto recomputes), and the prefill seconds per
         # token of this engine's own steps (`_observe_step`).
@@ -855,7 +879,11 @@ class Engine:
             raise RuntimeError("reconfigure: the engine has unfinished requests; allowed only when idle")
         self.config = dataclasses.replace(self.config, **changes)
         manager = self.block_manager
-        self.block_manager = BlockManager(manager.num_blocks, manager.block_size, self.config.enable_kv_cache_reuse)
+        tier = manager.host_tier  # the host tier starts empty too (its slots are overwritten as reused)
+        host_tier = HostKVTier(tier.num_blocks, manager.block_size) if tier is not None else None
+        self.block_manager = BlockManager(manager.num_blocks, manager.block_size, self.config.enable_kv_cache_reuse,
+                                          host_tier)
+        self._step_transfers = ([], [])
         self.scheduler = Scheduler(self.config, self.block_manager, self.costs)
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
@@ -868,6 +896,9 @@ class Engine:
         for item in scheduled.scheduled:
             if not item.request.is_finished:
                 self._fail(item.request, message, outputs)
+        # The step's host-tier copies may not have happened: forget what they filled.
+        self.block_manager.discard_transfers(*self._step_transfers)
+        self._step_transfers = ([], [])
 
     def _needs_history(self) -> bool:
         # Beam search picks the next tokens on the host: nothing runs ahead of it.
@@ -1044,6 +1075,7 @@ class Engine:
         manager = self.block_manager
         if manager.pending_copies:
             step.block_copies, manager.pending_copies = manager.pending_copies, []
+        step.kv_offloads, step.kv_onloads = self._step_transfers = manager.take_transfers()
         step.swap_out = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_out]
         step.swap_in = [(request.request_id, block_ids) for request, block_ids in scheduled.swapped_in]
         for request in scheduled.preempted:
@@ -1231,4 +1263,18 @@ class Engine:
             swapped_in_bytes_total=self._counters.swapped_in_blocks * block_bytes,
             host_link_bytes_per_second=link.bytes_per_second if link is not None else None,
             prefill_seconds_per_token=self.costs.prefill_seconds_per_token,
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict:
+        tier = self.block_manager.host_tier
+        if tier is None:
+            return {}
+        return {
+            "host_kv_blocks_total": tier.num_blocks,
+            "host_kv_blocks_held": tier.num_held_blocks,
+            "host_kv_offloaded_blocks_total": tier.offloaded_blocks_total,
+            "host_kv_onloaded_blocks_total": tier.onloaded_blocks_total,
+            "host_kv_bytes_per_block": int(getattr(self.runner, "host_kv_bytes_per_block", 0) or 0),
+            "prefix_cache_host_hits": self.block_manager.host_hit_tokens,
+        }

@@ -109,6 +109,20 @@ class EngineMetrics:
         self.cow_copies = counter("inflightllm_kv_cache_cow_copies_total",
                                   "Shared KV-cache blocks copied on a sequence's first write (copy-on-write)").Metric(
             labels=labels)
+        # Host KV tier (engine.host_kv_cache_bytes; docs/HOST-KV-TIER.md): zeros when off.
+        host_blocks = gauge("inflightllm_host_kv_cache_blocks", "Host KV tier blocks by state (total, held)")
+        self.host_blocks = {state: host_blocks.Metric(labels={**labels, "state": state}) for state in ("total", "held")}
+        self.host_offloaded = counter("inflightllm_host_kv_offloaded_blocks_total",
+                                      "Evicted prefix-cache blocks copied to the host KV tier").Metric(labels=labels)
+        self.host_onloaded = counter("inflightllm_host_kv_onloaded_blocks_total",
+                                     "Host KV tier blocks copied back on a prefix hit").Metric(labels=labels)
+        self.host_offloaded_bytes = counter("inflightllm_host_kv_offloaded_bytes_total",
+                                            "Bytes copied to the host KV tier").Metric(labels=labels)
+        self.host_onloaded_bytes = counter("inflightllm_host_kv_onloaded_bytes_total",
+                                           "Bytes copied back from the host KV tier").Metric(labels=labels)
+        self.prefix_host_hits = counter("inflightllm_prefix_cache_host_hits_total",
+                                        "Prompt tokens found in the prefix cache whose blocks came back from the "
+                                        "host KV tier").Metric(labels=labels)
         self.ttft = histogram("inflightllm_time_to_first_token_seconds", "Time to first token").Metric(
             labels=labels, buckets=TTFT_BUCKETS)
         self.tpot = histogram("inflightllm_time_per_output_token_seconds",
@@ -130,6 +144,8 @@ class EngineMetrics:
         self.requests["waiting"].set(stats.num_waiting)
         self.step_tokens.set(stats.num_tokens_last_step)
         self.shared_blocks.set(stats.num_shared_blocks)
+        self.host_blocks["total"].set(stats.host_kv_blocks_total)
+        self.host_blocks["held"].set(stats.host_kv_blocks_held)
         last = self._last
         for metric, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
@@ -146,6 +162,14 @@ class EngineMetrics:
             (self.swap_blocks["in"], stats.num_swapped_in_blocks_total, last.num_swapped_in_blocks_total if last else 0),
             (self.swap_bytes["out"], stats.swapped_out_bytes_total, last.swapped_out_bytes_total if last else 0),
             (self.swap_bytes["in"], stats.swapped_in_bytes_total, last.swapped_in_bytes_total if last else 0),
+            (self.host_offloaded, stats.host_kv_offloaded_blocks_total,
+             last.host_kv_offloaded_blocks_total if last else 0),
+            (self.host_onloaded, stats.host_kv_onloaded_blocks_total, last.host_kv_onloaded_blocks_total if last else 0),
+            (self.host_offloaded_bytes, stats.host_kv_offloaded_bytes_total,
+             last.host_kv_offloaded_bytes_total if last else 0),
+            (self.host_onloaded_bytes, stats.host_kv_onloaded_bytes_total,
+             last.host_kv_onloaded_bytes_total if last else 0),
+            (self.prefix_host_hits, stats.prefix_cache_host_hits, last.prefix_cache_host_hits if last else 0),
             (self.failed["timeout"], stats.num_timed_out_total, last.num_timed_out_total if last else 0),
             (self.failed["error"], stats.num_failed_total - stats.num_timed_out_total,
              last.num_failed_total - last.num_timed_out_total if last else 0),

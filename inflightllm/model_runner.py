@@ -12,6 +12,7 @@ import torch
 
 from inflightllm.attention import AttentionBackend, SequenceSlice, make_attention_backend
 from inflightllm.guided.matcher import apply_step_bitmask
+from inflightllm.host_kv_tier import num_host_blocks
 from inflightllm.kv_pressure import measure_host_link
 from inflightllm.models.loader import LoadedModel
 from inflightllm.request import Request
@@ -72,6 +73,7 @@ class ModelRunner:
         device_kind: str = "cpu",
         sampler_seed: int | None = None,
         kv_cache_dtype: str = "auto",
+        host_kv_cache_bytes: int = 0,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -92,6 +94,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Measured once, before any request: what `preemption_mode: auto` weighs a swap by.
         self.host_link = measure_host_link(self.attention.key_cache, self.attention.value_cache, num_blocks)
+        # The host KV tier (engine.host_kv_cache_bytes): ordinary CPU tensors of the cache's
+        # shape, so CI runs the tier's copies for real.
+        self.num_host_blocks = 0
+        self.host_kv_bytes_per_block = 0
+        if host_kv_cache_bytes > 0:
+            cache_bytes = sum(k.nbytes + v.nbytes for k, v in zip(self.attention.key_cache, self.attention.value_cache))
+            self.num_host_blocks = num_host_blocks(host_kv_cache_bytes, cache_bytes // num_blocks)
+            if self.num_host_blocks:
+                self.host_kv_bytes_per_block = self.attention.allocate_host_tier(self.num_host_blocks)
         self.states = RequestStates()
         self.sampler = Sampler(sampler_seed)
 
@@ -123,10 +134,14 @@ class ModelRunner:
         # this very step, and this step's forward writes into them.
         for request_id, block_ids in step.swap_out:
             self.states.swapped[request_id] = self.attention.swap_out(block_ids)
+        if step.kv_offloads:  # host tier: evicted blocks out before anything writes them
+            self.attention.offload_blocks(step.kv_offloads)
         if step.block_copies:  # copy-on-write: after the swap-outs read, before anything writes
             self.attention.copy_blocks(step.block_copies)
         for request_id, block_ids in step.swap_in:
             self.attention.swap_in(self.states.swapped.pop(request_id), block_ids)
+        if step.kv_onloads:  # host tier: prefix hits back into their fresh blocks
+            self.attention.onload_blocks(step.kv_onloads)
         for request_id in step.finished_request_ids:
             handle = self.states.swapped.pop(request_id, None)
             if handle is not None:
@@ -218,7 +233,8 @@ def make_model_runner(loaded: LoadedModel, config, num_blocks: int | None, sampl
 
         return TensorParallelRunner(loaded.spec, config, loaded, num_blocks, sampler_seed)
     if config.device == "cpu":
-        return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed, config.kv_cache_dtype)
+        return ModelRunner(loaded, num_blocks, config.block_size, "cpu", sampler_seed, config.kv_cache_dtype,
+                           config.host_kv_cache_bytes)
     from inflightllm.gpu.runner import GpuModelRunner
 
     return GpuModelRunner(loaded, config, num_blocks, sampler_seed)

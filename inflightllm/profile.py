@@ -437,6 +437,7 @@ def _read_engine(
         # TensorRT-LLM's names (GUARANTEED_NO_EVICT, MAX_UTILIZATION) in any case: ours, lowercase.
         "capacity_policy": _capacity_policy(reader, get("capacity_policy")),
         "kv_watermark": reader.number(get("kv_watermark"), "engine.kv_watermark"),
+        "host_kv_cache_bytes": reader.integer(get("host_kv_cache_bytes"), "engine.host_kv_cache_bytes", 0),
         # On by default on GPUs, where the host work between steps would leave the GPU idle.
         "async_scheduling": reader.boolean(section.get("async_scheduling", kind == "gpu"), "engine.async_scheduling"),
         "step_timeout_s": reader.number(get("step_timeout_s"), "engine.step_timeout_s"),
@@ -472,6 +473,12 @@ def _read_engine(
             "engine.gpu_memory_utilization",
             f"{section.get('gpu_memory_utilization', utilization)} is out of range; "
             "allowed: greater than 0 and less than 1",
+        )
+    if values["host_kv_cache_bytes"] > 0 and not values["enable_kv_cache_reuse"]:
+        reader.fail(
+            "engine.host_kv_cache_bytes",
+            f"{values['host_kv_cache_bytes']} needs engine.enable_kv_cache_reuse true: the host tier keeps "
+            "evicted prefix-cache blocks (set it to 0, or turn prefix caching on)",
         )
     if values["max_num_tokens"] < values["max_batch_size"]:
         reader.fail(
@@ -553,6 +560,13 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
             f"max_input_length ({engine.max_input_length}) + max_output_len ({engine.max_output_len}) = "
             f"{request_tokens} exceeds the model context of {context} tokens "
             "(model.max_model_len or the model's max_position_embeddings)",
+        )
+    block_bytes = engine.block_size * dims.kv_bytes_per_token(kv_element_bytes(model.dtype, engine.kv_cache_dtype), tp)
+    if 0 < engine.host_kv_cache_bytes < block_bytes:
+        reader.fail(
+            "engine.host_kv_cache_bytes",
+            f"{engine.host_kv_cache_bytes} holds no KV block: one block of {engine.block_size} tokens takes "
+            f"{block_bytes} bytes on each rank; allowed: 0 (off) or at least {block_bytes}",
         )
     if engine.device == "cpu":
         bytes_per_token = dims.kv_bytes_per_token(kv_element_bytes(model.dtype, engine.kv_cache_dtype), tp)

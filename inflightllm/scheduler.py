@@ -484,7 +484,7 @@ class Scheduler:
                 needed += manager.blocks_for_tokens(member.num_computed_tokens + num_new)
                 plans.append((member, None, num_new))
             else:
-                computed = manager.get_computed_blocks(member)
+                computed = manager.get_computed_blocks(member, onload=False)  # (see its docstring)
                 num_new = min(member.num_tokens - len(computed) * manager.block_size, left)
                 needed += manager.blocks_for_tokens(len(computed) * manager.block_size + num_new) - len(computed)
                 reclaimed.update(b for b in computed if manager.blocks[b].ref_count == 0)

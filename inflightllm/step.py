@@ -63,6 +63,12 @@ class StepDescription:
     # Copy-on-write (sequence groups): (source block, destination block) pairs whose K/V
     # are copied after the swap-outs and before the swap-ins and the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Host KV tier (engine.host_kv_cache_bytes): (device block, host slot) copies of evicted
+    # cached blocks, done first of all (before anything in the step writes those blocks),
+    # and (host slot, device block) copies of prefix hits found in host memory, done after
+    # the copy-on-write copies and before the forward.
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_onloads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -53,11 +53,15 @@ def reference_output(prompt: list[int], max_tokens: int, model=next_token, eos: 
 class StubRunner:
     """The runner interface over slot records; see the module docstring."""
 
-    def __init__(self, num_blocks: int, block_size: int, model=next_token):
+    def __init__(self, num_blocks: int, block_size: int, model=next_token, num_host_blocks: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model = model
         self.slots: list[tuple[int, ...] | None] = [None] * (num_blocks * block_size)
+        # The host KV tier's slots (engine.host_kv_cache_bytes), records like `slots`.
+        self.num_host_blocks = num_host_blocks
+        self.host_slots: list[tuple[int, ...] | None] = [None] * (num_host_blocks * block_size)
+        self.host_copies = 0  # blocks copied either way
         self.states = RequestStates()
         self.swapped: dict[str, list] = {}
         self.violations: list[str] = []
@@ -76,12 +80,18 @@ class StubRunner:
         self.steps.append(step)
         for request_id, block_ids in step.swap_out:
             self.swapped[request_id] = [self.slots[s] for s in self._block_slots(block_ids)]
+        size = self.block_size
+        for block, slot in step.kv_offloads:  # host tier: before anything in the step writes
+            self.host_slots[slot * size : (slot + 1) * size] = self.slots[block * size : (block + 1) * size]
+        self.host_copies += len(step.kv_offloads) + len(step.kv_onloads)
         for source, destination in step.block_copies:  # copy-on-write
             for offset in range(self.block_size):
                 self.slots[destination * self.block_size + offset] = self.slots[source * self.block_size + offset]
         for request_id, block_ids in step.swap_in:
             for slot, record in zip(self._block_slots(block_ids), self.swapped.pop(request_id), strict=True):
                 self.slots[slot] = record
+        for slot, block in step.kv_onloads:
+            self.slots[block * size : (block + 1) * size] = self.host_slots[slot * size : (slot + 1) * size]
         for request_id in step.finished_request_ids:
             self.swapped.pop(request_id, None)
         self.states.update(step)
@@ -120,13 +130,13 @@ class StubRunner:
 
 
 def stub_engine(num_blocks: int = 64, block_size: int = 4, model=next_token, max_model_len: int = 4096,
-                **config) -> Engine:
+                num_host_blocks: int = 0, **config) -> Engine:
     """The real Engine (scheduler, block manager) over a StubRunner."""
     loaded = SimpleNamespace(
         arch=SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=max_model_len),
         eos_token_ids=frozenset({EOS}),
     )
-    runner = StubRunner(num_blocks, block_size, model)
+    runner = StubRunner(num_blocks, block_size, model, num_host_blocks)
     config.setdefault("max_input_length", 1024)
     return Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=num_blocks, block_size=block_size, **config),
                   loaded=loaded, runner=runner)

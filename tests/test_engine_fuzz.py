@@ -68,12 +68,22 @@ def check_invariants(engine) -> None:
     for group in engine.groups.values():  # a group lives while one of its sequences does
         assert any(r.request_id in engine.requests for r in group.sequences)
     assert engine.runner.violations == []
+    tier = manager.host_tier
+    if tier is not None:
+        tier.check()
+        # A device block's queued onload is for the key the block holds now.
+        for block_id, slot in tier.pending_onloads.items():
+            block = manager.blocks[block_id]
+            assert block.block_hash is not None and tier.entries[block.block_hash].slot == slot
 
 
-def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250, policy: str = "max_utilization") -> dict:
+def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250, policy: str = "max_utilization",
+         host_tier: bool = False) -> dict:
     rng = random.Random(seed)
     block_size = rng.choice([2, 4])
+    num_host_blocks = rng.choice([1, 3, 8, 24]) if host_tier else 0
     engine = stub_engine(num_blocks=rng.choice([8, 12, 16]) * 4 // block_size, block_size=block_size,
+                         num_host_blocks=num_host_blocks,
                          max_batch_size=rng.choice([3, 6]), max_num_tokens=rng.choice([8, 16, 64]),
                          preemption_mode=mode, swap_space_blocks=rng.choice([0, 6]),
                          enable_kv_cache_reuse=prefix_caching, priority_levels=3,
@@ -173,6 +183,9 @@ def fuzz(seed: int, mode: str, prefix_caching: bool, steps: int = 250, policy: s
         "recomputed": stats.num_recomputed_tokens_total,
         "swapped_in_blocks": stats.num_swapped_in_blocks_total,
         "recompute_preemptions": stats.num_preemptions_total - stats.num_swapped_out_total,
+        "offloads": stats.host_kv_offloaded_blocks_total,
+        "onloads": stats.host_kv_onloaded_blocks_total,
+        "host_hits": stats.prefix_cache_host_hits,
     }
 
 
@@ -209,3 +222,17 @@ def test_fuzz_guaranteed_no_evict_never_preempts(mode, prefix_caching):
     assert totals["groups"] > 100 and totals["cow_copies"] > 50 and totals["beam_groups"] > 20
     if prefix_caching:
         assert totals["prefix_hits"] > 100
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fuzz_host_tier_loses_no_block(mode):
+    """The same fuzz with a host KV tier (1 to 24 host slots): every context the stub checks
+    holds the right prefix, so an onload of a wrong or overwritten slot is seen; the tier's
+    slots are all accounted for after every step (HostKVTier.check)."""
+    totals: dict[str, int] = {}
+    for seed in range(12):
+        for key, value in fuzz(seed, mode, True, host_tier=True).items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["preemptions"] > 20 and totals["completed"] > 300 and totals["contexts_checked"] > 10_000
+    assert totals["groups"] > 100 and totals["cow_copies"] > 50
+    assert totals["offloads"] > 100 and totals["onloads"] > 50 and totals["host_hits"] > 50

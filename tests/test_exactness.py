@@ -240,3 +240,37 @@ def test_tiny_random_shapes_equal_transformers(tiny_model):
     results = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens],
                            arrival_steps=[0, 0, 1, 2, 2, 3, 5, 6, 8, 9])
     assert_equal_to_reference(reference, prompts, max_tokens, results), name
+
+
+def test_host_kv_tier_hits_leave_outputs_unchanged(smollm2_loaded, smollm2_reference, smollm2_tokenizer):
+    """Multi-turn chats through a GPU-sized-down cache with the host KV tier on: each second
+    turn (the whole first turn, its reply and a new message) finds its history evicted from
+    the device cache by the other conversations and gets it back from the host tier. Greedy
+    outputs equal transformers' on every turn."""
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS[:4]
+    ]
+    first = [smollm2_tokenizer.encode(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                                             tokenize=False))
+             for c in conversations]
+    replies = [smollm2_reference.greedy(p, 12) for p in first]
+    follow_up = smollm2_tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd why is that?<|im_end|>\n"
+                                         "<|im_start|>assistant\n")
+    second = [p + r + follow_up for p, r in zip(first, replies)]
+    prompts = first + second
+    max_tokens = [12] * 4 + [10] * 4
+    longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
+    block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M fp32: 30 layers, 3 KV heads of 64
+    config = EngineConfig(max_num_tokens=256, num_kv_blocks=-(-longest // 16) + 2, max_batch_size=1,
+                          host_kv_cache_bytes=64 * block_bytes)
+    # One at a time, first turns then second turns: each second turn's history was evicted by
+    # the three conversations in between.
+    results, engine = run_engine(smollm2_loaded, prompts, max_tokens, config, arrival_steps=[0] * 8)
+    assert_equal_to_reference(smollm2_reference, prompts, max_tokens, results)
+    stats = engine.stats()
+    assert stats.host_kv_blocks_total == 64 and stats.host_kv_bytes_per_block == block_bytes
+    assert stats.host_kv_onloaded_blocks_total > 0 and stats.prefix_cache_host_hits > 0
+    # Each second turn reused (at least) its first turn's full blocks, most from host.
+    for turn1, result in zip(first, results[4:]):
+        assert result.num_cached_tokens >= len(turn1) // 16 * 16
+    assert stats.num_blocks_used == 0

@@ -117,6 +117,23 @@ def test_kv_pressure_counters_follow_the_stats():
     assert _value("inflightllm_kv_swap_bytes_total", direction="out") == 4096
     assert _value("inflightllm_kv_swap_bytes_total", direction="in") == 4096
 
+def test_host_kv_tier_series_follow_the_engine_stats():
+    _Family.created = {}
+    metrics = EngineMetrics(_PbUtils, model_name="engine")
+    metrics.update(_stats(), [])  # tier off: zeros
+    assert _value("inflightllm_host_kv_cache_blocks", state="total") == 0
+    tier = dict(host_kv_blocks_total=64, host_kv_blocks_held=10, host_kv_offloaded_blocks_total=12,
+                host_kv_onloaded_blocks_total=3, host_kv_bytes_per_block=1024, prefix_cache_host_hits=48)
+    metrics.update(_stats(**tier), [])
+    metrics.update(_stats(**{**tier, "host_kv_onloaded_blocks_total": 5, "prefix_cache_host_hits": 80}), [])
+    assert _value("inflightllm_host_kv_cache_blocks", state="total") == 64
+    assert _value("inflightllm_host_kv_cache_blocks", state="held") == 10
+    assert _value("inflightllm_host_kv_offloaded_blocks_total") == 12
+    assert _value("inflightllm_host_kv_onloaded_blocks_total") == 5
+    assert _value("inflightllm_host_kv_offloaded_bytes_total") == 12 * 1024
+    assert _value("inflightllm_host_kv_onloaded_bytes_total") == 5 * 1024
+    assert _value("inflightllm_prefix_cache_host_hits_total") == 80
+
 
 @pytest.mark.server
 def _calls() -> int:

@@ -25,7 +25,7 @@ from inflightllm.profile import (
 
 ENGINE_KEYS = (
     "async_scheduling, batching_strategy, block_size, capacity_policy, cuda_graphs, enable_kv_cache_reuse, "
-    "gpu_memory_utilization, kv_cache_bytes, kv_cache_dtype, kv_watermark, max_batch_size, max_beam_width, max_input_length, max_n, max_num_tokens, "
+    "gpu_memory_utilization, host_kv_cache_bytes, kv_cache_bytes, kv_cache_dtype, kv_watermark, max_batch_size, max_beam_width, max_input_length, max_n, max_num_tokens, "
     "max_output_len, preemption_mode, "
     "priority_levels, queue_policy, runner, step_timeout_s, stream_interval, swap_space_blocks"
 )
@@ -260,6 +260,17 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         ([("engine.stream_interval", 1025)], "engine.stream_interval: 1025 is out of range; allowed: 1 .. 1024"),
         ([("engine.priority_levels", 17)], "engine.priority_levels: 17 is out of range; allowed: 1 .. 16"),
         ([("engine.kv_cache_bytes", 0)], "engine.kv_cache_bytes: 0 is out of range; allowed: >= 1"),
+        ([("engine.host_kv_cache_bytes", -1)], "engine.host_kv_cache_bytes: -1 is out of range; allowed: >= 0"),
+        (
+            [("engine.host_kv_cache_bytes", 1 << 20), ("engine.enable_kv_cache_reuse", False)],
+            "engine.host_kv_cache_bytes: 1048576 needs engine.enable_kv_cache_reuse true: the host tier keeps "
+            "evicted prefix-cache blocks (set it to 0, or turn prefix caching on)",
+        ),
+        (
+            [("engine.host_kv_cache_bytes", 1000)],
+            "engine.host_kv_cache_bytes: 1000 holds no KV block: one block of 16 tokens takes 16384 bytes on "
+            "each rank; allowed: 0 (off) or at least 16384",
+        ),
         (
             [("engine.queue_policy.max_queue_size", -1)],
             "engine.queue_policy.max_queue_size: -1 is out of range; allowed: >= 0",

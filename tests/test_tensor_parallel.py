@@ -64,6 +64,34 @@ def test_tp2_greedy_equals_tp1(spec):
     assert sharded == single
 
 
+def test_tp2_with_the_host_kv_tier_equals_tp1():
+    """Each rank keeps its shard of the evicted blocks in a host tier of its own (the same
+    slots on every rank: the step carries them). Second turns whose histories come back from
+    host give TP=1's ids (TP=1 without the tier)."""
+    from inflightllm.model_source import model_dims
+
+    def chat(cfg):
+        engine = Engine(TINY, cfg, sampler_seed=0)
+        try:
+            llm = LLM(TINY, engine=engine, load_tokenizer_too=False)
+            params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 6
+            first = prompts(6)
+            replies = [r.token_ids for r in llm.generate(first, params)]
+            second = [p + r + [11, 12, 13] for p, r in zip(first, replies)]
+            return replies + [r.token_ids for r in llm.generate(second, params)], engine.stats()
+        finally:
+            shutdown = getattr(engine.runner, "shutdown", None)
+            if shutdown:
+                shutdown()
+
+    per_rank_block = 16 * model_dims(TINY).kv_bytes_per_token(4, 2)
+    small = dict(num_kv_blocks=12, max_batch_size=2)
+    single, _ = chat(config(**small))
+    sharded, stats = chat(config(tensor_parallel_size=2, host_kv_cache_bytes=64 * per_rank_block, **small))
+    assert sharded == single
+    assert stats.host_kv_blocks_total == 64 and stats.prefix_cache_host_hits > 0
+
+
 def test_worker_is_a_separate_process_that_ends_with_shutdown():
     engine = Engine(TINY, config(tensor_parallel_size=2), sampler_seed=0)
     runner = engine.runner

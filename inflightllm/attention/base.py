@@ -85,6 +85,22 @@ class AttentionBackend(abc.ABC):
         """Free a handle's host memory without copying it back (the request ended)."""
         raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
 
+    # ---- host KV tier (engine.host_kv_cache_bytes) ------------------------------------------
+    # A second cache of the same shape in host memory, `num_host_blocks` blocks, filled with
+    # evicted prefix-cache blocks and read back on prefix hits (inflightllm.host_kv_tier).
+    # The block manager decides which slot holds what; the backend only copies.
+    def allocate_host_tier(self, num_host_blocks: int) -> int:
+        """Allocate the host blocks; returns the bytes one block takes (every layer's K and V)."""
+        raise NotImplementedError(f"{type(self).__name__} has no host KV tier")
+
+    def offload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (device block, host slot) pair's K/V of every layer into the host tier."""
+        raise NotImplementedError(f"{type(self).__name__} has no host KV tier")
+
+    def onload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (host slot, device block) pair's K/V of every layer back into the cache."""
+        raise NotImplementedError(f"{type(self).__name__} has no host KV tier")
+
     # ---- copy-on-write (sequence groups) --------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of every layer of each (source block, destination block) pair, all
@@ -95,7 +111,9 @@ class AttentionBackend(abc.ABC):
 class HostSwapMixin:
     """swap_out/swap_in over per-layer `key_cache`/`value_cache` tensors of slots
     ([num_blocks * block_size, num_kv_heads, head_dim]): each swapped block is copied into
-    fresh host tensors (pinned when the cache is on a GPU) and back with `index_copy_`."""
+    fresh host tensors (pinned when the cache is on a GPU) and back with `index_copy_`.
+    The host KV tier the same way: per-layer host tensors of the cache's shape
+    ([num_host_blocks * block_size, ...]), a second tier of the same layout."""
 
     key_cache: list[torch.Tensor]
     value_cache: list[torch.Tensor]
@@ -137,6 +155,36 @@ class HostSwapMixin:
 
     def discard_swapped(self, handle) -> None:
         handle.clear()
+
+    # ---- host KV tier: per-layer host tensors of the cache's shape ([slots, kvh, d]) --------
+    def allocate_host_tier(self, num_host_blocks: int) -> int:
+        rows = num_host_blocks * self.block_size
+        self.host_key_cache = [torch.zeros((rows, *k.shape[1:]), dtype=k.dtype) for k in self.key_cache]
+        self.host_value_cache = [torch.zeros((rows, *v.shape[1:]), dtype=v.dtype) for v in self.value_cache]
+        return sum(k[: self.block_size].nbytes + v[: self.block_size].nbytes
+                   for k, v in zip(self.key_cache, self.value_cache))
+
+    def offload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        device = self.key_cache[0].device
+        sources = self._block_slots([block for block, _ in copies], device)
+        destinations = self._block_slots([slot for _, slot in copies], "cpu")
+        for key, value, host_key, host_value in zip(self.key_cache, self.value_cache, self.host_key_cache,
+                                                    self.host_value_cache):
+            host_key.index_copy_(0, destinations, key.index_select(0, sources).cpu())
+            host_value.index_copy_(0, destinations, value.index_select(0, sources).cpu())
+
+    def onload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        device = self.key_cache[0].device
+        sources = self._block_slots([slot for slot, _ in copies], "cpu")
+        destinations = self._block_slots([block for _, block in copies], device)
+        for key, value, host_key, host_value in zip(self.key_cache, self.value_cache, self.host_key_cache,
+                                                    self.host_value_cache):
+            key.index_copy_(0, destinations, host_key.index_select(0, sources).to(device))
+            value.index_copy_(0, destinations, host_value.index_select(0, sources).to(device))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

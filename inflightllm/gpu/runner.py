@@ -29,6 +29,7 @@ from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
 from inflightllm.gpu.staging import PinnedStaging
 from inflightllm.guided.matcher import apply_step_bitmask
+from inflightllm.host_kv_tier import num_host_blocks
 from inflightllm.kv_pressure import measure_host_link
 from inflightllm.model_runner import state_for
 from inflightllm.models.loader import LoadedModel
@@ -131,6 +132,14 @@ class GpuModelRunner:
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30,
             "fp8 e4m3" if self.kv_cache_dtype == "fp8" else loaded.dtype,
         )
+        # The host KV tier (engine.host_kv_cache_bytes): pinned host slots, copies on their own
+        # stream (CudaPagedAttention.offload_blocks / onload_blocks).
+        self.num_host_blocks = num_host_blocks(getattr(config, "host_kv_cache_bytes", 0), self._bytes_per_block())
+        self.host_kv_bytes_per_block = 0
+        if self.num_host_blocks:
+            self.host_kv_bytes_per_block = self.attention.allocate_host_tier(self.num_host_blocks)
+            logger.info("host KV tier: %d blocks, %.2f GiB pinned", self.num_host_blocks,
+                        self.num_host_blocks * self.host_kv_bytes_per_block / 2**30)
         # bucket -> (graph, its hidden states, its logits or None)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.graph_pool = None
@@ -368,10 +377,14 @@ class GpuModelRunner:
         # to another request in this very step, and this step's forward writes into them.
         for request_id, block_ids in step.swap_out:
             self.swapped[request_id] = self.attention.swap_out(block_ids)
+        if step.kv_offloads:  # host tier: evicted blocks out before anything writes them
+            self.attention.offload_blocks(step.kv_offloads)
         if step.block_copies:  # copy-on-write: after the swap-outs read, before anything writes
             self.attention.copy_blocks(step.block_copies)
         for request_id, block_ids in step.swap_in:
             self.attention.swap_in(self.swapped.pop(request_id), block_ids)
+        if step.kv_onloads:  # host tier: prefix hits back into their fresh blocks, before the forward
+            self.attention.onload_blocks(step.kv_onloads)
         for request_id in step.finished_request_ids:
             handle = self.swapped.pop(request_id, None)
             if handle is not None:

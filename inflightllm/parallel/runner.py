@@ -62,7 +62,8 @@ def make_rank_runner(
         from inflightllm.model_runner import ModelRunner
 
         blocks = dist_.min_over_ranks(num_blocks)
-        return ModelRunner(runner_loaded, blocks, config.block_size, "cpu", sampler_seed, config.kv_cache_dtype)
+        return ModelRunner(runner_loaded, blocks, config.block_size, "cpu", sampler_seed, config.kv_cache_dtype,
+                           config.host_kv_cache_bytes)
     from inflightllm.gpu.runner import GpuModelRunner
 
     class RankGpuRunner(GpuModelRunner):

@@ -144,6 +144,9 @@ class TensorParallelRunner:
         # Rank 0's measured host link: every rank swaps its own share of a block over its own
         # link at the same time, so rank 0's figures are the step's (preemption_mode auto).
         self.host_link = getattr(self.runner, "host_link", None)
+        # The host KV tier: every rank sizes it from the same budget and the same shard shape.
+        self.num_host_blocks = getattr(self.runner, "num_host_blocks", 0)
+        self.host_kv_bytes_per_block = getattr(self.runner, "host_kv_bytes_per_block", 0)
         logger.info(
             "tensor parallel: %d ranks (%s), workers %s, %d KV blocks each",
             self.world_size, backend, [w.pid for w in self.workers], self.num_blocks,

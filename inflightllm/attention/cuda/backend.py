@@ -45,6 +45,9 @@ PREFILL_DEFAULT = "flash"
 DECODE_DEFAULT = "auto"
 DECODE_IMPLS = (*ops.DECODE_KERNELS, "auto")
 KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
+# Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
+# size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
+HOST_TIER_CHUNK = 64
 
 
 def default_decode_impl() -> str:
@@ -77,6 +80,33 @@ def _checked_scales(kv_scales) -> list[tuple[float, float]]:
                 raise ValueError(f"kv_scales: layer {layer} {name} {value!r} (a finite positive number is allowed)")
         checked.append((k_scale, v_scale))
     return checked
+
+
+class PinnedHostTensor:
+    """A page-locked host tensor of exactly its size: pageable memory registered with
+    cudaHostRegister (torch's pinned allocator rounds each allocation up to a power of two:
+    a 40 GiB host tier would pin 64 GiB), unregistered when this object goes. Where
+    registering is not available or fails, torch's pinned allocator instead."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.registered = False
+        tensor = torch.empty(shape, dtype=dtype, device="cpu")
+        try:
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+            self.registered = int(error) == 0
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            log.info("cudaHostRegister unavailable (%s); torch's pinned allocator instead", exc)
+        if not self.registered:
+            tensor = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        self.tensor = tensor
+
+    def __del__(self):
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+                pass
+            self.registered = False
 
 
 class _FlatCaches(HostSwapMixin):
@@ -169,6 +199,13 @@ class CudaPagedAttention(AttentionBackend):
         self._cupy_array = None  # owns the cache memory
         self._num_sms = 132
         self._flash_error: str | None = None
+        # Host KV tier (allocate_host_tier): pinned slots [num_host_blocks, layers, 2, block_size,
+        # kvh, d] (one block's every layer contiguous), its copy stream and a device staging
+        # buffer of HOST_TIER_CHUNK blocks in the same layout.
+        self.host_kv: torch.Tensor | None = None
+        self._host_memory: PinnedHostTensor | None = None
+        self._copy_stream = None
+        self._host_staging: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ cache
     def allocate_kv_cache(
@@ -215,6 +252,89 @@ class CudaPagedAttention(AttentionBackend):
         self.query_dtype = dtype
         self._bs_shift = block_size.bit_length() - 1
         self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+
+    # ------------------------------------------------------------------ host KV tier
+    def allocate_host_tier(self, num_host_blocks: int) -> int:
+        """Pinned host slots for `num_host_blocks` blocks, slot-major (a block's K and V of
+        every layer in one contiguous run, so one block is one host copy), a copy stream of
+        its own, and a device staging buffer. Returns the bytes of one block."""
+        cache = self.kv_cache
+        layers, _, _, block_size, kv_heads, head_dim = cache.shape
+        shape = (num_host_blocks, layers, 2, block_size, kv_heads, head_dim)
+        self._host_memory = PinnedHostTensor(shape, cache.dtype)
+        self.host_kv = self._host_memory.tensor
+        self._copy_stream = torch.cuda.Stream(device=cache.device)
+        chunk = min(HOST_TIER_CHUNK, num_host_blocks)
+        self._host_staging = torch.empty((chunk, *shape[1:]), dtype=cache.dtype, device=cache.device)
+        return self.host_kv[0].nbytes
+
+    def _blocks_view(self) -> torch.Tensor:
+        """The cache as [layers * 2, num_blocks, block elements] (a view)."""
+        cache = self.kv_cache
+        return cache.view(cache.shape[0] * 2, cache.shape[2], -1)
+
+    @staticmethod
+    def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+        """(index into `slots`, first slot, length) of each run of consecutive slots."""
+        runs: list[tuple[int, int, int]] = []
+        for index, slot in enumerate(slots):
+            if runs and runs[-1][1] + runs[-1][2] == slot:
+                first, start, length = runs[-1]
+                runs[-1] = (first, start, length + 1)
+            else:
+                runs.append((index, slot, 1))
+        return runs
+
+    def _indexes(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.kv_cache.device, non_blocking=True)
+
+    def _on_copy_stream(self, transfer, copies: list[tuple[int, int]]) -> None:
+        """Run `transfer(chunk)` over the copies, HOST_TIER_CHUNK at a time, on the copy
+        stream: it starts after the work queued so far on the compute stream (a step in flight
+        may still write a block being offloaded, or read a block being onloaded into), and the
+        compute stream waits for it before anything queued after this (the step's forward)."""
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        copy = self._copy_stream
+        copy.wait_stream(compute)
+        with torch.cuda.stream(copy):
+            for start in range(0, len(copies), HOST_TIER_CHUNK):
+                transfer(copies[start : start + HOST_TIER_CHUNK])
+            done = torch.cuda.Event()
+            done.record(copy)
+        compute.wait_event(done)
+
+    def offload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """(device block, host slot) pairs: one gather of the blocks into the staging buffer,
+        then one device-to-host copy per run of consecutive slots."""
+        if not copies:
+            return
+
+        def transfer(chunk):
+            chunk = sorted(chunk, key=lambda pair: pair[1])  # by slot: runs of slots are runs of staging rows
+            staging = self._host_staging[: len(chunk)]
+            gathered = self._blocks_view().index_select(1, self._indexes([block for block, _ in chunk]))
+            staging.view(len(chunk), gathered.shape[0], -1).copy_(gathered.transpose(0, 1))
+            for index, slot, length in self._runs([slot for _, slot in chunk]):
+                self.host_kv[slot : slot + length].copy_(staging[index : index + length], non_blocking=True)
+
+        self._on_copy_stream(transfer, copies)
+
+    def onload_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """(host slot, device block) pairs: one host-to-device copy per run of consecutive
+        slots into the staging buffer, then one scatter into the cache."""
+        if not copies:
+            return
+
+        def transfer(chunk):
+            chunk = sorted(chunk, key=lambda pair: pair[0])
+            staging = self._host_staging[: len(chunk)]
+            for index, slot, length in self._runs([slot for slot, _ in chunk]):
+                staging[index : index + length].copy_(self.host_kv[slot : slot + length], non_blocking=True)
+            view = self._blocks_view()
+            rows = staging.view(len(chunk), view.shape[0], -1).transpose(0, 1)
+            view.index_copy_(1, self._indexes([block for _, block in chunk]), rows)
+
+        self._on_copy_stream(transfer, copies)
 
     # ------------------------------------------------------------------ swap
     def _flat_caches(self) -> _FlatCaches:
