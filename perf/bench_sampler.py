@@ -21,12 +21,9 @@ new are measured in one run on one machine. The logits are N(0, 4^2) per entry w
 ids lifted per row (a peaked, language-model-like distribution: top-p 0.95 keeps a few
 hundred to a few thousand ids).
 
-`--engine PROFILE` measures issue 27's end-to-end criterion instead: one engine from the
-profile (max_batch_size 1,024, max_num_tokens 16,384), then 128/128 x 1,024 (`--row`)
-with each setting above in turn, output tok/s and each over greedy's, in one run:
-
-    python -m perf.bench_sampler --engine profiles/llama3-8b-h200.yaml --out $OUT/sampled_rows.json
-    python -m perf.bench_sampler --engine profiles/smollm2-cpu.yaml --row 16/8x8 --max-batch-size 8  # CPU check
+The end-to-end figure (128/128 x 1,024 output tok/s, each setting against greedy in one run)
+is `python -m perf.bench_rows --profile ... --rows 128/128x1024 --sampling
+greedy,sampled,sampled-penalty`.
 """
 
 from __future__ import annotations
@@ -127,50 +124,6 @@ def time_setting(sampler_class, params, logits, steps: int, warmup: int) -> dict
     return {"device_ms": round(device_ms, 4), "host_ms": round(host_ms, 4)}
 
 
-def engine_rows(args) -> dict:
-    """Output tok/s of the row for each setting, through one engine built from the profile."""
-    import dataclasses
-
-    from inflightllm.engine import Engine
-    from inflightllm.llm import LLM
-    from inflightllm.profile import load_profile
-    from perf.bench_gpu import prompts_of, sync
-
-    try:
-        lengths, count = args.row.split("x")
-        isl, osl = (int(n) for n in lengths.split("/"))
-        count = int(count)
-    except ValueError:
-        raise SystemExit(f"--row: {args.row!r} is not ISL/OSLxREQUESTS (e.g. 128/128x1024)") from None
-    profile = load_profile(args.engine)
-    config = dataclasses.replace(profile.engine, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                                 max_input_length=max(profile.engine.max_input_length, isl),
-                                 max_output_len=max(profile.engine.max_output_len, osl))
-    engine = Engine(profile.model, config, sampler_seed=0)
-    llm = LLM(profile.model, engine=engine, load_tokenizer_too=False)
-    warmup = min(64, count)  # requests
-    llm.generate(prompts_of(warmup, 16, engine.vocab_size, seed=1), SamplingParams(max_tokens=8, ignore_eos=True))
-    prompts = prompts_of(count, isl, engine.vocab_size, seed=isl * 7 + osl)
-    report = {"engine": args.engine, "row": args.row, "max_batch_size": args.max_batch_size,
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "settings": {}}
-    for name, setting in SETTINGS.items():
-        params = dataclasses.replace(setting, max_tokens=osl, ignore_eos=True)
-        sync()
-        started = time.perf_counter()
-        results = llm.generate(prompts, params)
-        sync()
-        seconds = time.perf_counter() - started
-        generated = sum(len(r.token_ids) for r in results)
-        if generated != count * osl:
-            raise RuntimeError(f"{name}: {generated} tokens generated, expected {count * osl}")
-        report["settings"][name] = {"seconds": round(seconds, 3), "output_tok_s": round(generated / seconds, 1)}
-    greedy = report["settings"]["greedy"]["output_tok_s"]
-    for name, figures in report["settings"].items():
-        figures["over_greedy"] = round(figures["output_tok_s"] / greedy, 3)
-        print(f"{name:44s} {figures['output_tok_s']:10.1f} output tok/s  {figures['over_greedy']:5.2f}x greedy")
-    return report
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -181,17 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--baseline", default=None, help="a file with another GpuSampler to time beside ours")
     parser.add_argument("--out", default=None, help="write the figures here (JSON)")
-    parser.add_argument("--engine", default=None, help="a profile: measure output tok/s through the engine instead")
-    parser.add_argument("--row", default="128/128x1024", help="with --engine: ISL/OSLxREQUESTS")
-    parser.add_argument("--max-batch-size", type=int, default=1024, help="with --engine")
-    parser.add_argument("--max-num-tokens", type=int, default=16384, help="with --engine")
     args = parser.parse_args(argv)
-    if args.engine:
-        report = engine_rows(args)
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-            print(f"saved {args.out}")
-        return report
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     logits = make_logits(args.rows, args.vocab, device, dtype)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device command for issue 27 (KV pressure, host KV tier, GPU sampler) and the sequence
+# groups of issue 29, on one H200: GPU tests, the sampler micro-benchmark, the rows under
+# each capacity policy / preemption mode, sampled rows against greedy, the multi-turn chat
+# workload with and without the host tier, beam search and n=8.
+#
+#   OUT=$OUT STEPS="tests,sampler,sampled" bash perf/run_kv_pressure_device.sh   # carry build/bundle/part1
+#
+# STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups. POLICIES,
+# MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options).
+set -u
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
+STEPS="${STEPS:-tests,sampler,sampled}"
+PROFILE="${PROFILE:-profiles/llama3-8b-h200.yaml}"
+note "run_kv_pressure_device: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), steps $STEPS"
+install_bundle
+has() { case ",$STEPS," in *,"$1",*) return 0 ;; esac; return 1; }
+if has tests; then
+  step gpu_tests "${TESTS_LIMIT:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    ${TESTS:-tests/gpu/test_gpu_sampler.py tests/gpu/test_host_kv_tier_gpu.py tests/gpu/test_sequence_groups_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py} \
+    -k "${TESTS_K:-not tp2}"
+fi
+if has sampler; then
+  git show 67ab833:inflightllm/gpu/sampler.py > "$OUT/old_sampler.py" 2>/dev/null || true
+  step bench_sampler 120 "$PY" -m perf.bench_sampler --baseline "$OUT/old_sampler.py" --out "$OUT/sampler.json"
+fi
+if has sampled; then
+  step sampled_rows 200 "$PY" -m perf.bench_rows --profile "$PROFILE" --rows 128/128x1024 \
+    --sampling greedy,sampled,sampled-penalty --out "$OUT/sampled_rows.json"
+fi
+if has pressure; then
+  step pressure_rows "${PRESSURE_LIMIT:-540}" "$PY" -m perf.bench_rows --profile "$PROFILE" \
+    --rows "${PRESSURE_ROWS:-128/2048x512,2048/2048x256}" --capacity-policy "${POLICIES:-max_utilization}" \
+    --preemption-mode "${MODES:-auto,recompute}" --out "$OUT/pressure_rows.json"
+fi
+if has multiturn; then
+  step multiturn 240 "$PY" -m perf.bench_multiturn --shape llama3-8b --device gpu --out "$OUT/multiturn.json"
+fi
+if has groups; then
+  step bench_groups 270 "$PY" -m perf.bench_sequence_groups --out "$OUT/sequence_groups.json"
+fi
+cat "$SUMMARY"
+exit $STATUS
