@@ -77,16 +77,17 @@ def test_log_probs_on_cuda_equal_log_softmax():
     states = [request(p, outputs=(4, 9), name=f"r{i}") for i, p in enumerate(params)]
     sampler, rows = sampler_for(states, device=CUDA)
     logits = (torch.randn(len(params), 128256, generator=torch.Generator().manual_seed(6)) * 4).to(torch.bfloat16)
-    expected = torch.log_softmax(logits.float(), dim=-1)
+    # On the GPU too: CUDA's and the CPU's float32 sums over 128k entries differ by ~1e-5.
+    expected = torch.log_softmax(logits.to(CUDA).float(), dim=-1).cpu()
     ids, logprobs, top_ids, top_values = sampler(logits.to(CUDA), rows, states)
     for i, p in enumerate(params):
         if not (p.logprobs or p.top_logprobs):
             continue
-        assert logprobs[i] == pytest.approx(float(expected[i, ids[i]]), abs=1e-5)
+        assert logprobs[i] == pytest.approx(float(expected[i, ids[i]]), abs=5e-5)
         if p.top_logprobs:
             values, _ = torch.topk(expected[i], p.top_logprobs)
-            assert top_values[i] == pytest.approx(values.tolist(), abs=1e-5)
-            assert expected[i, top_ids[i]].tolist() == pytest.approx(values.tolist(), abs=1e-5)
+            assert top_values[i] == pytest.approx(values.tolist(), abs=5e-5)
+            assert expected[i, top_ids[i]].tolist() == pytest.approx(values.tolist(), abs=5e-5)
 
 
 @pytest.mark.parametrize("params", [
