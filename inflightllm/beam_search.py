@@ -23,6 +23,7 @@ does the per-group part on those few candidates, with `transformers`' semantics
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,10 +65,7 @@ class BeamSearch:
 
     def __post_init__(self) -> None:
         self.stop_key = tuple(sorted(self.stop_token_ids))  # groups with equal stops share one test
-
-    @property
-    def candidates_per_beam(self) -> int:
-        return max(2, 1 + self.num_eos) * self.beam_width
+        self.candidates_per_beam = max(2, 1 + self.num_eos) * self.beam_width
 
     def step(self, beam_tokens: list[list[int]], top_ids: list[list[int]],
              top_logprobs: list[list[float]], max_len_reached: bool = False) -> list[NextBeam]:
@@ -116,19 +114,20 @@ def _candidate_arrays(indexes, width, keep, top_ids, top_logprobs, searches):
     """[G, width, keep] ids and log probs (float64), [G, width] cumulative log probs; a
     search with fewer live beams (its first step) is padded with -inf beams."""
     groups = len(indexes)
-    full = [i for i in indexes if len(top_ids[i]) == width]
+    rows_ids = [row for i in indexes for row in top_ids[i]]
+    if len(rows_ids) == groups * width and all(len(row) == keep for row in rows_ids):
+        # The usual case (every group has all its beams, each row `keep` candidates): one
+        # flat conversion of each part.
+        chain = itertools.chain.from_iterable
+        ids = np.fromiter(chain(rows_ids), np.int64, groups * width * keep).reshape(groups, width, keep)
+        values = np.fromiter(chain(row for i in indexes for row in top_logprobs[i]), np.float64,
+                             groups * width * keep).reshape(groups, width, keep)
+        cum = np.fromiter(chain(searches[i].running_scores for i in indexes), np.float64,
+                          groups * width).reshape(groups, width)
+        return ids, values, cum
     ids = np.zeros((groups, width, keep), np.int64)
     values = np.full((groups, width, keep), -np.inf)
     cum = np.full((groups, width), -np.inf)
-    try:
-        if len(full) == groups:  # the usual case: one conversion of every row
-            ids[:] = np.array([row[:keep] for i in indexes for row in top_ids[i]], np.int64).reshape(ids.shape)
-            values[:] = np.array([row[:keep] for i in indexes for row in top_logprobs[i]],
-                                 np.float64).reshape(values.shape)
-            cum[:] = np.array([searches[i].running_scores for i in indexes], np.float64)
-            return ids, values, cum
-    except ValueError:  # a row with fewer than `keep` candidates (a vocabulary smaller than keep)
-        pass
     for position, i in enumerate(indexes):
         for beam, (row_ids, row_values) in enumerate(zip(top_ids[i], top_logprobs[i], strict=True)):
             count = min(keep, len(row_ids))

@@ -115,3 +115,38 @@ def test_beams_move_runner_rows_instead_of_sending_sequences_whole():
     assert moved, "no beam took another's sequence"
     assert any(cached.block_ids is not None for step in runner.steps for cached in step.cached_requests)
     assert engine.block_manager.num_used_blocks == 0 and not engine.requests and not engine.groups
+
+
+def test_gpu_runner_beam_updates_copy_rows_on_its_host_arrays():
+    """GpuModelRunner's `beam_updates` (host arrays only, so it runs without a GPU): a beam
+    that continues itself gets its last token replaced; one that takes another's sequence
+    gets that row's tokens, table and counts, then its own last token; every source is read
+    before any row is written."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from inflightllm.gpu.runner import GpuModelRunner
+
+    rows = {"a": 0, "b": 1, "c": 2, "d": 3}
+    runner = SimpleNamespace(
+        rows=rows, token_ids=np.zeros((4, 32), np.int64), num_tokens=np.array([10, 10, 10, 7]),
+        num_computed=np.array([9, 9, 9, 6]), prompt_lens=np.array([5, 5, 5, 5]),
+        block_table=np.zeros((4, 8), np.int32), states={})
+    for name, row in rows.items():
+        count = int(runner.num_tokens[row])
+        runner.token_ids[row, :count] = np.arange(count) + 100 * row
+        runner.block_table[row, :3] = [10 * row + i for i in range(3)]
+        runner.states[name] = SimpleNamespace(token_ids=runner.token_ids[row, :count].tolist(),
+                                              block_table=runner.block_table[row, :3].tolist())
+    # a continues itself and is copied into b; c continues itself and is copied into d.
+    GpuModelRunner._apply_beam_updates(runner, [("a", "a", 7), ("b", "a", 8), ("c", "c", 9), ("d", "c", 6)])
+    expected_tokens = {"a": list(range(9)) + [7], "b": list(range(9)) + [8],
+                       "c": list(range(200, 209)) + [9], "d": list(range(200, 209)) + [6]}
+    expected_tables = {"a": [0, 1, 2], "b": [0, 1, 2], "c": [20, 21, 22], "d": [20, 21, 22]}
+    for name, row in rows.items():
+        assert runner.token_ids[row, :10].tolist() == expected_tokens[name], name
+        assert runner.states[name].token_ids == expected_tokens[name], name
+        assert runner.block_table[row, :3].tolist() == expected_tables[name], name
+        assert runner.states[name].block_table == expected_tables[name], name
+    assert runner.num_tokens.tolist() == [10, 10, 10, 10] and runner.num_computed.tolist() == [9, 9, 9, 9]
