@@ -78,7 +78,7 @@ def test_step_searches_equals_the_rule_group_by_group():
             at_max = {g: rng.random() < 0.05 for g in active}
             results = step_searches([batched[g] for g in active], [[ids for ids, _ in tops[g]] for g in active],
                                     [[values for _, values in tops[g]] for g in active], [at_max[g] for g in active],
-                                    lambda index, beam: live[active[index]][beam])
+                                    lambda index, beam, live=live, active=active: live[active[index]][beam])
             for g, result in zip(active, results, strict=True):
                 expected = rule_step(alone[g], live[g], [ids for ids, _ in tops[g]], [v for _, v in tops[g]], at_max[g])
                 assert list(zip(result.parents, result.token_ids, result.cum_logprobs)) == expected
