@@ -280,7 +280,8 @@ class Engine:
         # Host seconds of the asynchronous step loop by part (perf/bench_gpu.py reads them):
         # schedule (scheduler + step description), launch (the runner queues the step),
         # wait (the previous step's tokens: GPU time not hidden by the host work), emit.
-        self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "steps": 0}
+        # beam: the beam steps (part of emit; recorded in both loops).
+        self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "beam": 0.0, "steps": 0}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
         # Structured output: the grammar compiler (made with the first constrained request)
@@ -300,6 +301,7 @@ class Engine:
         self.groups: dict[str, SequenceGroup] = {}
         self._unforked: list[Request] = []
         self._runner_reset: list[str] = []
+        self._beam_updates: list[tuple[str, str, int]] = []  # for the next step (StepDescription.beam_updates)
         self._num_beam_groups = 0
 
     # ---- requests ---------------------------------------------------------------------
@@ -527,55 +529,88 @@ class Engine:
                 still.append(first)
         self._unforked = still
 
-    def _beam_step(self, group: SequenceGroup, outputs: list[RequestOutput]) -> None:
-        """All live beams have their candidates: pick the next beams, reassign sequences."""
-        beam = group.beam
+    def _beam_steps(self, groups: list[SequenceGroup], outputs: list[RequestOutput]) -> None:
+        """The groups whose live beams all have their candidates: one batched beam step
+        (`step_searches`) picks every group's next beams, then each follows them."""
+        from inflightllm.beam_search import step_searches
+
+        top_ids, top_values, at_max_len = [], [], []
+        max_model_len = self.max_model_len
+        for group in groups:
+            candidates = group.candidates
+            rows = [candidates[request.request_id] for request in group.live]
+            group.candidates = {}
+            top_ids.append([ids for ids, _ in rows])
+            top_values.append([values for _, values in rows])
+            at_max_len.append(group.live[0].num_tokens + 1 >= max_model_len)
+        # Per-token log probs of a finished beam (asked for): worked out from its sequence's
+        # cumulative log prob after each token, only for hypotheses that finish.
+        results = step_searches([group.beam for group in groups], top_ids, top_values, at_max_len,
+                                lambda index, beam: groups[index].live[beam].output_token_ids,
+                                lambda index, beam: groups[index].live[beam].logprobs
+                                if groups[index].params.logprobs else None)
+        for group, result in zip(groups, results, strict=True):
+            if group.beam.done:
+                self._finish_beams(group, outputs)
+            else:
+                self._follow_beams(group, result, outputs)
+
+    def _follow_beams(self, group: SequenceGroup, result, outputs: list[RequestOutput]) -> None:
+        """Sequences follow the next beams. A parent's first continuation keeps its sequence;
+        each further one takes the sequence of a beam nobody continues (its blocks freed,
+        the parent's shared: the runner copies the parent's row) or, while the group has
+        fewer sequences than beams (its first step), a new one. The runner hears of it all
+        through `StepDescription.beam_updates`, never by a sequence sent whole."""
         live = group.live
-        tokens = [request.output_token_ids for request in live]
-        top_ids = [group.candidates[request.request_id][0] for request in live]
-        top_values = [group.candidates[request.request_id][1] for request in live]
-        group.candidates.clear()
-        at_max_len = live[0].num_tokens + 1 >= self.max_model_len
-        histories = [request.logprobs for request in live] if group.params.logprobs else None  # per-token log probs
-        next_beams = beam.step(tokens, top_ids, top_values, at_max_len, histories)
-        if beam.done:
-            self._finish_beams(group, outputs)
-            return
         group.forked = True
-        # A parent's first continuation keeps its sequence; more fork it (before its token
-        # is appended); sequences nobody continues are freed.
-        claimed: set[int] = set()
-        new_live: list[tuple[Request, int]] = []
-        for next_beam in next_beams:
-            parent = live[next_beam.parent]
-            if next_beam.parent not in claimed:
-                claimed.add(next_beam.parent)
-                new_live.append((parent, next_beam.token_id))
+        continued = set(result.parents)
+        dead = [request for index, request in enumerate(live) if index not in continued]
+        manager = self.block_manager
+        running = RequestStatus.RUNNING
+        kept: set[int] = set()
+        followers: list[tuple[Request, Request]] = []  # (sequence, the beam it continues)
+        for parent_index in result.parents:
+            parent = live[parent_index]
+            if parent_index not in kept:
+                kept.add(parent_index)
+                followers.append((parent, parent))
                 continue
-            sequence = group.new_sequence(parent)
-            sequence.token_ids = list(parent.token_ids)
-            sequence.logprobs = list(parent.logprobs)
-            self.block_manager.share(parent, sequence)
+            if dead and dead[-1].status is running and parent.status is running:
+                sequence = dead.pop()
+                manager.free(sequence)  # it stays in the running set, with the parent's blocks
+                manager.share(parent, sequence)
+                sequence.table_rewritten = False
+            else:
+                sequence = group.new_sequence(parent)
+                manager.share(parent, sequence)
+                self.requests[sequence.request_id] = sequence
+                if parent.status is running:
+                    self.scheduler.start_running(sequence)
+                else:
+                    self.scheduler.add_request(sequence)
+            sequence.token_ids = parent.token_ids[:]
+            sequence.logprobs = parent.logprobs[:]
             sequence.num_computed_tokens = parent.num_computed_tokens
             sequence.num_cached_tokens = parent.num_cached_tokens
             sequence.first_token_time = parent.first_token_time
-            self.requests[sequence.request_id] = sequence
-            if parent.status is RequestStatus.RUNNING:
-                self.scheduler.start_running(sequence)
-            else:
-                self.scheduler.add_request(sequence)
-            new_live.append((sequence, next_beam.token_id))
-        for index, request in enumerate(live):
-            if index not in claimed:
+            followers.append((sequence, parent))
+        if dead:
+            for request in dead:
                 self._finish(request, FinishReason.NONE, quiet=True)
-        # Dead beams are forgotten (a long search forks thousands of sequences).
-        group.sequences = [request for request in group.sequences if not request.is_finished]
+            # Dead beams are forgotten (a long search would pile them up).
+            group.sequences = [request for request in group.sequences if not request.is_finished]
+        runner_blocks, updates = self._runner_blocks, self._beam_updates
         group.live = []
-        for (request, token), next_beam in zip(new_live, next_beams, strict=True):
-            request.token_ids.append(token)
-            request.logprobs.append(next_beam.cum_logprob)  # the beam's cumulative log prob so far
-            self._resend(request)
-            group.live.append(request)
+        for (sequence, parent), token, cum in zip(followers, result.token_ids, result.cum_logprobs, strict=True):
+            sequence.token_ids.append(token)
+            sequence.logprobs.append(cum)  # the beam's cumulative log prob so far
+            parent_blocks = runner_blocks.get(parent.request_id)
+            if parent_blocks is not None and sequence.request_id in runner_blocks:
+                updates.append((sequence.request_id, parent.request_id, token))
+                runner_blocks[sequence.request_id] = parent_blocks
+            else:  # the runner does not hold them both: the sequence goes whole next step
+                self._resend(sequence)
+            group.live.append(sequence)
         if group.live[0].streaming:
             outputs.append(self._beam_output(group, finished=False))
 
@@ -1011,9 +1046,12 @@ class Engine:
                     outputs.extend(self._group_outputs(request, output))
         self._counters.generation_tokens += generated
         if beam_groups:
-            for group in dict.fromkeys(beam_groups):
-                if group.live and all(r.request_id in group.candidates for r in group.live):
-                    self._beam_step(group, outputs)
+            ready = [group for group in dict.fromkeys(beam_groups)
+                     if group.live and all(r.request_id in group.candidates for r in group.live)]
+            if ready:
+                start = time.perf_counter()
+                self._beam_steps(ready, outputs)
+                self.host_seconds["beam"] += time.perf_counter() - start
 
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:
         """Move a constrained request's grammar over its new token. ERROR: the grammar
@@ -1069,6 +1107,8 @@ class Engine:
         as deltas (new block ids, computed count); preempted and finished ids once."""
         step = StepDescription(finished_request_ids=self._runner_finished)
         self._runner_finished = []
+        if self._beam_updates:
+            step.beam_updates, self._beam_updates = self._beam_updates, []
         if self._runner_reset:
             step.preempted_request_ids.extend(self._runner_reset)
             self._runner_reset = []
@@ -1090,12 +1130,12 @@ class Engine:
             request_id = request.request_id
             table = request.block_table
             sent = runner_blocks.get(request_id)
-            if request.table_rewritten:  # copy-on-write replaced a block: the runner gets it whole
+            if request.table_rewritten and sent is not None:  # copy-on-write replaced a block
                 request.table_rewritten = False
-                if sent is not None:
-                    step.preempted_request_ids.append(request_id)
-                    sent = None
-            if sent is None:
+                cached_requests.append(CachedRequestData(request_id, [], request.num_computed_tokens, list(table)))
+                runner_blocks[request_id] = len(table)
+            elif sent is None:
+                request.table_rewritten = False
                 step.new_requests.append(
                     NewRequestData(
                         request_id=request_id,

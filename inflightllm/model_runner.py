@@ -46,6 +46,8 @@ class RequestStates:
         self.swapped: dict[str, object] = {}  # request id -> attention backend's swap handle
 
     def update(self, step: StepDescription) -> None:
+        if step.beam_updates:
+            self.apply_beam_updates(step.beam_updates)
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
             self.swapped.pop(request_id, None)
@@ -55,8 +57,26 @@ class RequestStates:
             state.num_computed_tokens = new.num_computed_tokens
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.block_ids is not None:  # copy-on-write rewrote it
+                state.block_table = list(cached.block_ids)
             state.block_table.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def apply_beam_updates(self, updates: list[tuple[str, str, int]]) -> None:
+        """`StepDescription.beam_updates`: every source read first (its tokens, table and
+        count as the last step left them), then each request rewritten."""
+        requests = self.requests
+        sources = {source: (requests[source].token_ids, requests[source].block_table,
+                            requests[source].num_computed_tokens) for _, source, _ in updates}
+        for request_id, source, token in updates:
+            state = requests[request_id]
+            tokens, table, computed = sources[source]
+            if request_id == source:  # in place: a copy of it reads all but its last token
+                state.token_ids[-1] = token
+            else:
+                state.token_ids = tokens[:-1] + [token]
+                state.block_table = list(table)
+                state.num_computed_tokens = computed
 
     def __getitem__(self, request_id: str) -> Request:
         return self.requests[request_id]

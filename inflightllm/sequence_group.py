@@ -11,9 +11,10 @@ computed and sampled like any other; the group ties them together:
   shared partial block is copied on each sequence's first write (copy-on-write).
 - Beam search (`beam_width`): the first sequence computes the whole prompt; each step
   the runner returns the top `2 * beam_width` log probs of every live beam (its top
-  log probs), and `inflightllm.beam_search` picks the next beams: a beam that continues
-  keeps its sequence, one more continuation of the same beam forks it (blocks shared),
-  a beam nobody continues is freed.
+  log probs), and `inflightllm.beam_search` picks the next beams of all groups at once: a
+  beam that continues keeps its sequence, one more continuation of the same beam takes
+  the sequence of a beam nobody continues (its blocks freed, the parent's shared; a new
+  sequence on the first step, when the group has one).
 
 The scheduler admits, preempts and resumes a group's sequences together.
 """
@@ -115,6 +116,7 @@ class SequenceGroup:
     live: list[Request] = field(default_factory=list)
     candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     finished_outputs: list = field(default_factory=list)  # best_of: the sequences' finals, held back
+    beam_params: SamplingParams | None = None  # beam search: the params of all its sequences
 
     @property
     def is_beam(self) -> bool:
@@ -129,12 +131,15 @@ class SequenceGroup:
         alone with that seed); best_of tracks log probs to rank; beams are scored on the
         top log probs the runner returns."""
         params = self.params
+        if self.is_beam:  # greedy rows: no seed, and one params object for every beam
+            if self.beam_params is None:
+                self.beam_params = dataclasses.replace(params, seed=None, temperature=0.0, logprobs=True,
+                                                       top_logprobs=self.beam.candidates_per_beam)
+            return self.beam_params
         changes: dict = {}
         if params.seed is not None:
             changes["seed"] = params.seed + index
-        if self.is_beam:
-            changes.update(temperature=0.0, logprobs=True, top_logprobs=self.beam.candidates_per_beam)
-        elif self.group_params.best_of is not None and self.group_params.best_of > self.group_params.n:
+        if self.group_params.best_of is not None and self.group_params.best_of > self.group_params.n:
             changes["logprobs"] = True
         return dataclasses.replace(params, **changes) if changes else params
 

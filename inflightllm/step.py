@@ -35,6 +35,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]  # appended to its block table
     num_computed_tokens: int
+    # Copy-on-write replaced a block of its table (sequence groups): its whole new table,
+    # which replaces the runner's (then new_block_ids is empty). Its tokens are unchanged.
+    block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +72,13 @@ class StepDescription:
     # the copy-on-write copies and before the forward.
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    # Beam search: (request id, source request id, token id), applied before every other
+    # change of the step, all sources read before any request changes. The request takes
+    # the source's tokens with the last one (which the runner sampled itself) replaced by
+    # this token, and the source's block table and computed count; a beam that continues
+    # itself is its own source. So a fork or a reassigned beam costs the runner a row
+    # copy, not the request sent whole. Only requests the runner holds.
+    beam_updates: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

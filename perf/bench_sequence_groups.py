@@ -6,9 +6,15 @@
   against the same 8 x P sequences as separate requests on an engine without the prefix
   cache (output tokens/s ratio; goal >= 5).
 
-Prints the figures and saves them as JSON (`--out`). Usage on the GPU host:
+Prints the figures and saves them as JSON (`--out`), with the engine's host time per step
+by part for each run (`host_ms_per_step`: schedule, launch, wait, emit and, within emit,
+beam: the beam steps; on the CPU, where the loop is synchronous, the engine's time outside
+the runner instead). Usage on the GPU host:
     python -m perf.bench_sequence_groups --out $OUT/sequence_groups.json
 A CPU check at toy sizes: --shape tiny-llama3 --device cpu --scale 0.01
+The host path of beam search on a CPU (model compute negligible at a 1,024-token vocabulary):
+    python -m perf.bench_sequence_groups --shape tiny-llama3-v1k --device cpu --dtype float32 \
+        --scale 0.25 --beam-only
 """
 
 from __future__ import annotations
@@ -28,13 +34,44 @@ from inflightllm.engine import Engine
 from inflightllm.model_source import ModelSpec
 from inflightllm.sampling_params import SamplingParams
 from inflightllm.sequence_group import GroupParams
-from perf.bench_gpu import prompts_of, sync
+from perf.bench_gpu import host_ms_per_step, prompts_of, reset_host_times, sync
+
+
+class TimedRunner:
+    """The engine's runner with the seconds spent in it counted (a synchronous CPU runner:
+    the rest of a step is the engine's host time)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, step):
+        start = time.perf_counter()
+        try:
+            return self.runner.execute(step)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def launch(self, step):
+        start = time.perf_counter()
+        try:
+            return self.runner.launch(step)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupParams | None]], tag: str) -> dict:
     """Submit every request at once and step to the end: wall seconds, output tokens (every
     sequence's), KV figures."""
     sync()
+    reset_host_times(engine.host_seconds)
+    timed = engine.runner if isinstance(engine.runner, TimedRunner) else None
+    if timed is not None:
+        timed.seconds = 0.0
+    steps_before = engine.stats().num_steps_total
     start = time.perf_counter()
     for index, (prompt, params, group) in enumerate(requests):
         engine.add_request(f"{tag}-{index}", prompt, params, group=group)
@@ -49,8 +86,15 @@ def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupP
     sync()
     seconds = time.perf_counter() - start
     stats = engine.stats()
+    steps = stats.num_steps_total - steps_before
+    host = host_ms_per_step(engine.host_seconds)
+    if timed is not None:  # synchronous: everything but the runner is the engine's host time
+        host["outside_runner"] = round((seconds - timed.seconds) * 1e3 / max(1, steps), 3)
+        host["beam"] = round(engine.host_seconds["beam"] * 1e3 / max(1, steps), 3)
+        host["steps"] = steps
     return {"seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 1),
-            "peak_kv_blocks_used": peak_used, "preemptions_total": stats.num_preemptions_total}
+            "peak_kv_blocks_used": peak_used, "preemptions_total": stats.num_preemptions_total,
+            "steps": steps, "host_ms_per_step": host}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (CPU checks)")
     parser.add_argument("--prompts", type=int, default=64, help="P: prompts of the n=8 workload")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.44)
+    parser.add_argument("--beam-only", action="store_true", help="skip the n=8 part")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -81,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "date": time.strftime("%Y-%m-%d"),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     engine = Engine(spec, config, sampler_seed=0)
+    if args.device == "cpu":
+        engine.runner = TimedRunner(engine.runner)
     vocab = engine.vocab_size
     drive(engine, [(p, SamplingParams(max_tokens=min(8, length), ignore_eos=True), None)
                    for p in prompts_of(32, min(16, long_prompt), vocab, 1)],
@@ -96,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                              "wall_ratio": round(beam["seconds"] / greedy["seconds"], 3), "goal": "<= 1.3"}
     print(f"beam search: {beams} x beam_width 4 in {beam['seconds']:.2f} s; {greedy_count} greedy in "
           f"{greedy['seconds']:.2f} s: ratio {report['beam_search']['wall_ratio']:.3f} (goal <= 1.3)", flush=True)
+    for name, run in (("greedy", greedy), ("beam", beam)):
+        print(f"  {name}: {run['steps']} steps, host ms per step {run['host_ms_per_step']}", flush=True)
+    if args.beam_only:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+        return 0
 
     # ---- n=8 over long prompts vs 8 separate requests without the prefix cache
     texts = prompts_of(prompts, long_prompt, vocab, 4)

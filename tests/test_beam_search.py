@@ -107,12 +107,14 @@ def test_smollm2_beams_equal_transformers_staggered(smollm2_loaded, smollm2_hf, 
 def test_smollm2_beams_equal_transformers_through_a_preemption(smollm2_loaded, smollm2_hf, chat_prompts):
     cases = [("beam4", chat_prompts[1], GroupParams(beam_width=4, length_penalty=1.0, early_stopping=False), 10)]
     requests = [(rid, prompt, SamplingParams(max_tokens=n), group) for rid, prompt, group, n in cases]
-    # A long prompt arriving after the group fills the cache while the beams run.
+    # A long prompt admitted before the group: the cache fills while the beams run, and the
+    # group, admitted last (its beams keep their sequences, and so their admission), is the
+    # one preempted.
     requests.append(("greedy", chat_prompts[0] * 4, SamplingParams(max_tokens=16, ignore_eos=True), None))
     engine = Engine(DEFAULT_MODEL, EngineConfig(num_kv_blocks=48, block_size=4, max_num_tokens=64),
                     sampler_seed=0, loaded=smollm2_loaded)
     preempted = record_group_preemptions(engine)
-    finals = run_beams(engine, requests, arrivals=[0, 2])
+    finals = run_beams(engine, requests, arrivals=[2, 0])
     assert preempted, "no group was preempted"
     eos = smollm2_loaded.eos_token_ids
     assert_beams_equal(finals, cases, lambda p, g, n: transformers_beams(smollm2_hf, p, g, n, eos))

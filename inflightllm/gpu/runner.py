@@ -204,6 +204,8 @@ class GpuModelRunner:
 
     # ---- request state ----------------------------------------------------------------
     def _update_states(self, step: StepDescription) -> None:
+        if step.beam_updates:
+            self._apply_beam_updates(step.beam_updates)
         for request_id in step.finished_request_ids:
             self.states.pop(request_id, None)
             self._free_row(request_id)
@@ -224,11 +226,46 @@ class GpuModelRunner:
         for cached in step.cached_requests:
             row = self.rows[cached.request_id]
             state = self.states[cached.request_id]
+            if cached.block_ids is not None:  # copy-on-write rewrote its table
+                self.block_table[row, : len(cached.block_ids)] = cached.block_ids
+                state.block_table = list(cached.block_ids)
             if cached.new_block_ids:
                 start = len(state.block_table)
                 self.block_table[row, start : start + len(cached.new_block_ids)] = cached.new_block_ids
                 state.block_table.extend(cached.new_block_ids)
             self.num_computed[row] = cached.num_computed_tokens
+
+    def _apply_beam_updates(self, updates: list[tuple[str, str, int]]) -> None:
+        """`StepDescription.beam_updates`: reassigned beams take their source's row (tokens
+        up to its length, block table up to its blocks, counts) by one vectorised copy of
+        every such row, then each beam's last token is set. Every source is read before any
+        row is written (NumPy's fancy-indexed right-hand sides are copies)."""
+        rows, states = self.rows, self.states
+        targets = np.fromiter((rows[request_id] for request_id, _, _ in updates), np.int64, len(updates))
+        sources = np.fromiter((rows[source] for _, source, _ in updates), np.int64, len(updates))
+        tokens = np.fromiter((token for _, _, token in updates), np.int64, len(updates))
+        moved = np.flatnonzero(targets != sources)
+        if len(moved):
+            source_states = {source: (states[source].token_ids, states[source].block_table)
+                             for _, source, _ in (updates[i] for i in moved)}
+            src, dst = sources[moved], targets[moved]
+            length = int(self.num_tokens[src].max())
+            self.token_ids[dst, :length] = self.token_ids[src, :length]
+            blocks = max(len(table) for _, table in source_states.values())
+            self.block_table[dst, :blocks] = self.block_table[src, :blocks]
+            self.num_tokens[dst] = self.num_tokens[src]
+            self.num_computed[dst] = self.num_computed[src]
+            self.prompt_lens[dst] = self.prompt_lens[src]
+            for i in moved:
+                request_id, source, token = updates[i]
+                state = states[request_id]
+                source_tokens, source_table = source_states[source]
+                state.token_ids = source_tokens[:-1] + [token]
+                state.block_table = list(source_table)
+        self.token_ids[targets, self.num_tokens[targets] - 1] = tokens
+        for request_id, source, token in updates:
+            if request_id == source:  # in place: a copy of it reads all but its last token
+                states[request_id].token_ids[-1] = token
 
     def _free_row(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)

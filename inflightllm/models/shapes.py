@@ -150,6 +150,12 @@ SHAPES: dict[str, dict] = {
 SHAPES["llama3-8b-tp2-rank"] = dict(SHAPES["llama3-8b"], num_attention_heads=16, num_key_value_heads=4,
                                     intermediate_size=7168, vocab_size=64128)
 
+# tiny-llama3 with a 1,024-token vocabulary: model compute and per-row sampling are
+# negligible on a CPU, so an engine run measures the host path around the model
+# (perf/bench_sequence_groups.py --shape tiny-llama3-v1k --device cpu). Ids above 1,023 of
+# the borrowed tokenizer are never produced.
+SHAPES["tiny-llama3-v1k"] = dict(SHAPES["tiny-llama3"], vocab_size=1024)
+
 
 def shape_config(name: str) -> dict:
     """A copy of the named shape's config dictionary; KeyError names the choices."""

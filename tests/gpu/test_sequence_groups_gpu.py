@@ -91,3 +91,65 @@ def test_beams_equal_transformers(engine, beam_width):
     assert final.beam_token_ids == expected
     assert final.beam_scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
     assert engine.block_manager.num_used_blocks == 0
+
+
+class RecordingRunner:
+    """The engine's runner, keeping each launched step's beam updates."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.beam_updates: list[tuple[str, str, int]] = []
+        self.sent_whole: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def launch(self, step):
+        self.beam_updates.extend(step.beam_updates)
+        self.sent_whole.extend(new.request_id for new in step.new_requests)
+        return self.runner.launch(step)
+
+
+def test_beam_groups_together_move_rows_and_equal_transformers(engine):
+    """Three beam groups at once beside a greedy request (asynchronous scheduling): one
+    batched beam step a step for all of them; forks and reassigned beams reach the runner as
+    row copies (`beam_updates`, `GpuModelRunner._apply_beam_updates`), copied-on-write
+    tables as new tables; each group's beams equal transformers' for its prompt alone."""
+    reference = Reference(engine)
+    prompts = make_prompts(4, engine.vocab_size, seed=11)
+    widths = [2, 4, 8]
+    recorder = RecordingRunner(engine.runner)
+    engine.runner = recorder
+    try:
+        for width, prompt in zip(widths, prompts, strict=False):
+            engine.add_request(f"together-{width}", prompt, SamplingParams(max_tokens=10),
+                               group=GroupParams(beam_width=width))
+        engine.add_request("greedy-beside", prompts[3], SamplingParams(max_tokens=24, ignore_eos=True))
+        finals = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                assert output.error is None, output.error
+                if output.finished:
+                    finals[output.request_id] = output
+    finally:
+        engine.runner = recorder.runner
+    assert any(target != source for target, source, _ in recorder.beam_updates), "no beam moved"
+    # Sent whole: each group's first sequence and the beams of its first step; nothing after.
+    beam_sent = [request_id for request_id in recorder.sent_whole if request_id.startswith("together-")]
+    assert len(beam_sent) == sum(widths), beam_sent
+    eos = sorted(engine.loaded.eos_token_ids)
+    for width, prompt in zip(widths, prompts, strict=False):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=reference.model.device)
+            out = reference.model.generate(
+                ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
+                do_sample=False, max_new_tokens=10, length_penalty=1.0, early_stopping=False, output_scores=True,
+                return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos[0])
+        expected = []
+        for sequence in out.sequences.tolist():
+            generated = sequence[len(prompt):]
+            expected.append(generated[: next((i for i, t in enumerate(generated) if t in eos), len(generated))])
+        final = finals[f"together-{width}"]
+        assert final.beam_token_ids == expected, width
+        assert final.beam_scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-3), width
+    assert engine.block_manager.num_used_blocks == 0
