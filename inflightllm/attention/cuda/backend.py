@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflightllm.attention.base import AttentionBackend, HostSwapMixin, SequenceSlice
+from inflightllm.attention.base import AttentionBackend, SequenceSlice
 from inflightllm.attention.cuda import ops
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,6 @@ class PinnedHostTensor:
             except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
                 pass
             self.registered = False
-
-
-class _FlatCaches(HostSwapMixin):
-    """The caches seen as per-layer slot tensors [num_blocks * block_size, kvh, d] (views),
-    for the host swap copies."""
-
-    def __init__(self, key_cache, value_cache, block_size):
-        self.key_cache, self.value_cache, self.block_size = key_cache, value_cache, block_size
 
 
 @dataclass
@@ -337,19 +329,28 @@ class CudaPagedAttention(AttentionBackend):
         self._on_copy_stream(transfer, copies)
 
     # ------------------------------------------------------------------ swap
-    def _flat_caches(self) -> _FlatCaches:
-        return _FlatCaches(
-            [k.view(-1, *k.shape[2:]) for k in self.key_cache],
-            [v.view(-1, *v.shape[2:]) for v in self.value_cache],
-            self.block_size,
-        )
-
     def swap_out(self, block_ids: list[int]):
-        """Copy the blocks' K/V of every layer to pinned host memory (preemption_mode: swap)."""
-        return self._flat_caches().swap_out(block_ids)
+        """Copy the blocks' K/V of every layer to pinned host memory (a preemption's swap):
+        one gather over the whole cache into one pinned buffer, queued on the compute stream
+        before the step's forward (which may overwrite the blocks). The host never waits:
+        only a later `swap_in`, on the same stream, reads the buffer. (It was one pinned
+        buffer per layer and K/V, 64 for Llama-3-8B, and a host wait per victim: 128/2048 x
+        512 ran at 0.83x recompute's throughput with every victim swapped.)"""
+        if not block_ids:
+            return []
+        gathered = self._blocks_view().index_select(1, self._indexes(block_ids))  # [layers * 2, n, elements]
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        return [host]
 
     def swap_in(self, handle, block_ids: list[int]) -> None:
-        self._flat_caches().swap_in(handle, block_ids)
+        if not block_ids:
+            return
+        (host,) = handle
+        if host.shape[1] != len(block_ids):
+            raise ValueError(f"swap_in: {host.shape[1]} swapped blocks for {len(block_ids)} blocks")
+        view = self._blocks_view()
+        view.index_copy_(1, self._indexes(block_ids), host.to(view.device, non_blocking=True))
 
     def discard_swapped(self, handle) -> None:
         handle.clear()
