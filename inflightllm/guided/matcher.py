@@ -44,9 +44,16 @@ class GuidedState:
 
     def allows_only(self, token_ids) -> bool:
         """Whether every allowed next token is one of `token_ids` (the grammar is done)."""
-        allowed = np.unpackbits(self.next_mask().view(np.uint8), bitorder="little")[: self.vocab_size]
-        allowed[[t for t in token_ids if 0 <= t < self.vocab_size]] = 0
-        return not allowed.any()
+        # On the packed words (vocab/32 of them): this runs for every constrained row after
+        # every token, so no unpacking to one byte per token.
+        words = self.next_mask().view(np.uint32).copy()
+        tail = self.vocab_size % 32
+        if tail:
+            words[-1] &= np.uint32((1 << tail) - 1)  # bits past the vocabulary are not tokens
+        for token in token_ids:
+            if 0 <= token < self.vocab_size:
+                words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+        return not words.any()
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
