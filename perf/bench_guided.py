@@ -11,6 +11,13 @@
   requests decode while B requests arrive, once with B distinct schemas and once with no
   schema; the long requests' decode rate (their tokens/s during the burst) compared.
 
+`--server`: the burst through the real tritonserver for the profile (the whole ensemble;
+`--bundle` etc. as in perf/servers.py): S long unconstrained streams decode (stream=true,
+max_tokens = min_tokens) while a burst of B requests arrives, once with a schema each
+(`burst_schema`: distinct, short outputs) and once unconstrained (the same max_tokens);
+the streams' tokens/s during each burst (from the responses' arrival times) compared,
+against the goal "within 10%", with their rate before any burst as a reference.
+
 How tokens are counted: every request must generate exactly its `max_tokens` (the bench
 fails otherwise). The schema is a JSON list of at least `osl / 4 + 1` records of six typed
 fields (integer, bounded string, enum, number, a short list of strings, boolean): no
@@ -24,6 +31,7 @@ random shapes), padded with never-allowed ids to the shape's vocabulary (128,256
 llama3-8b): the masks are that size, the grammar works over SmolLM2's tokens.
 
     python -m perf.bench_guided --out $OUT/guided.json                                  # H200
+    python -m perf.bench_guided --server --bundle ~/inflightllm-bundle --out $OUT/guided-server.json
     python -m perf.bench_guided --profile profiles/smollm2-random-cpu.yaml --shape tiny-llama3 \\
         --requests 8 --isl 16 --osl 8 --schemas 4 --burst 4 --max-batch-size 16         # CPU check
 
@@ -33,6 +41,7 @@ Prints the figures and saves them as JSON (`--out`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -69,6 +78,14 @@ def record_schema(osl: int, variant: int | None = None) -> dict:
     }
     record["required"] = list(record["properties"])
     return {"type": "array", "items": record, "minItems": osl // 4 + 1}
+
+
+def burst_schema(index: int) -> dict:
+    """A schema never seen before (its key and values name the index); a short output
+    (about a dozen tokens: `{"k7":"v7","n":3}`)."""
+    return {"type": "object", "properties": {f"k{index}": {"enum": [f"v{index}", "w"]},
+                                             "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": [f"k{index}", "n"]}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -211,6 +228,121 @@ def burst_run(engine: Engine, args, first_variant: int) -> dict:
     return report
 
 
+# --- through the server ------------------------------------------------------------------------
+
+
+async def _stream(client, values: dict, arrivals: list, done: asyncio.Event, stop: asyncio.Event,
+                  errors: list) -> None:
+    """One request on its own gRPC stream; `arrivals` gets (monotonic time, tokens) per
+    response with tokens. Ends at the final response, or when `stop` is set (cancelled)."""
+    from perf.loadgen import make_inputs
+
+    async def request_iterator():
+        yield {"model_name": "ensemble", "inputs": make_inputs(values),
+               "parameters": {"triton_enable_empty_final_response": True}}
+        await stop.wait()
+
+    responses = client.stream_infer(request_iterator())
+    try:
+        async for result, error in responses:
+            if error is not None:
+                errors.append(str(error))
+                break
+            response = result.get_response()
+            if response.outputs:
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    arrivals.append((time.monotonic(), int(ids.size)))
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        done.set()
+        stop.set()
+
+
+async def _server_bursts(url: str, args) -> dict:
+    import tritonclient.grpc.aio as aio
+
+    client = aio.InferenceServerClient(url)
+    await client.is_server_ready()
+    long_tokens = args.server_stream_tokens
+    stop_background = asyncio.Event()
+    background: list[list] = [[] for _ in range(args.server_streams)]
+    errors: list[str] = []
+    tasks = [asyncio.create_task(_stream(client, {"text_input": f"Stream {i}: once upon a time", "max_tokens": long_tokens,
+                                                  "min_tokens": long_tokens, "stream": True},
+                                         background[i], asyncio.Event(), stop_background, errors))
+             for i in range(args.server_streams)]
+    while not all(background) and not errors:  # every stream decoding
+        await asyncio.sleep(0.05)
+
+    def rate(start: float, end: float) -> float:
+        tokens = sum(n for arrivals in background for t, n in arrivals if start <= t < end)
+        return tokens / (end - start) / len(background)
+
+    # One constrained request first: the server loads the vocabulary for grammars once, on
+    # the first one (a one-off cost, not the burst's).
+    warm_errors: list[str] = []
+    await _stream(client, {"text_input": "Reply in JSON:", "max_tokens": args.server_burst_tokens, "stream": True,
+                           "guided_decoding_guide_type": "json_schema",
+                           "guided_decoding_guide": json.dumps(burst_schema(args.server_first_schema - 1))},
+                  [], asyncio.Event(), asyncio.Event(), warm_errors)
+    if warm_errors:
+        raise RuntimeError(f"the first constrained request failed: {warm_errors[0]}")
+    quiet_start = time.monotonic()
+    await asyncio.sleep(args.server_quiet_s)
+    report: dict = {"streams": args.server_streams, "burst": args.burst, "burst_max_tokens": args.server_burst_tokens,
+                    "quiet_tok_s_per_stream": round(rate(quiet_start, time.monotonic()), 2)}
+    for label, with_schemas in (("no_schema", False), ("distinct_schemas", True)):
+        dones, burst_errors = [], []
+        start = time.monotonic()
+        burst_tasks = []
+        for index in range(args.burst):
+            values = {"text_input": "Reply in JSON:", "max_tokens": args.server_burst_tokens, "stream": True}
+            if with_schemas:
+                values |= {"guided_decoding_guide_type": "json_schema",
+                           "guided_decoding_guide": json.dumps(burst_schema(args.server_first_schema + index))}
+            else:
+                values["min_tokens"] = args.server_burst_tokens
+            done = asyncio.Event()
+            dones.append(done)
+            burst_tasks.append(asyncio.create_task(_stream(client, values, [], done, asyncio.Event(), burst_errors)))
+        await asyncio.gather(*burst_tasks)
+        end = time.monotonic()
+        report[label] = {"burst_seconds": round(end - start, 3), "errors": len(burst_errors),
+                         "stream_tok_s_per_stream": round(rate(start, end), 2)}
+        print(f"[server] burst of {args.burst} ({label}): {end - start:.2f} s; the {args.server_streams} long streams "
+              f"decode at {report[label]['stream_tok_s_per_stream']} tok/s each (quiet: "
+              f"{report['quiet_tok_s_per_stream']})", flush=True)
+        if burst_errors:
+            raise RuntimeError(f"{len(burst_errors)} burst requests failed, e.g. {burst_errors[0]}")
+        if any(task.done() for task in tasks):
+            raise RuntimeError("a long stream ended during the bursts: raise --server-stream-tokens")
+    stop_background.set()
+    await asyncio.gather(*tasks)
+    await client.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} long streams failed, e.g. {errors[0]}")
+    report["ratio"] = round(report["distinct_schemas"]["stream_tok_s_per_stream"]
+                            / report["no_schema"]["stream_tok_s_per_stream"], 3)
+    report["goal"] = ">= 0.90 (within 10% of the burst without schemas)"
+    print(f"[server] the streams' rate beside {args.burst} distinct schemas: {report['ratio']:.3f}x their rate "
+          f"beside {args.burst} unconstrained requests (goal >= 0.90)", flush=True)
+    return report
+
+
+def server_main(args) -> dict:
+    from perf import servers
+
+    options = servers.server_options(args)
+    started = time.perf_counter()
+    with servers.serve_profile(Path(args.profile), suffix="guided", options=options, timeout=900) as served:
+        report = {"server": {**served.describe(), "start_s": round(time.perf_counter() - started, 1)}}
+        print(f"[server] ready in {report['server']['start_s']} s (gRPC {served.server.grpc_url})", flush=True)
+        report["server_burst"] = asyncio.run(_server_bursts(served.server.grpc_url, args))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="profiles/llama3-8b-h200.yaml")
@@ -224,8 +356,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--max-num-tokens", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--server", action="store_true", help="the burst through the real tritonserver (only)")
+    parser.add_argument("--server-streams", type=int, default=64, help="long unconstrained streams beside the bursts")
+    parser.add_argument("--server-stream-tokens", type=int, default=4096)
+    parser.add_argument("--server-burst-tokens", type=int, default=16)
+    parser.add_argument("--server-quiet-s", type=float, default=3.0, help="seconds measured before any burst")
+    parser.add_argument("--server-first-schema", type=int, default=1,
+                        help="first burst_schema index (a server that saw them already has them compiled)")
+    from perf import servers
+
+    servers.add_server_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.server:
+        report = {"profile": args.profile, "date": time.strftime("%Y-%m-%d"), **server_main(args)}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+        return 0
     profile = load_profile(args.profile)
     spec = profile.model if args.shape is None else dataclasses.replace(profile.model, shape=args.shape)
     config = dataclasses.replace(

@@ -14,6 +14,7 @@ import time
 import jsonschema
 import pytest
 
+from perf.bench_guided import _server_bursts, burst_schema
 from tests.ensemble_client import run_stream_requests
 
 pytestmark = pytest.mark.server
@@ -47,11 +48,7 @@ def test_bad_schema_in_a_burst_fails_alone(model_repo_server):
 BURST = 200  # requests with a schema each (about 30 s on 2 cores, most of it the 200 compiles)
 
 
-def distinct_schema(index: int) -> dict:
-    """A schema never seen before (its key and values name the index); a short output."""
-    return {"type": "object", "properties": {f"k{index}": {"enum": [f"v{index}", "w"]},
-                                             "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-            "required": [f"k{index}", "n"]}
+distinct_schema = burst_schema  # a schema never seen before (its key and values name the index)
 
 
 def test_burst_of_distinct_schemas_beside_unconstrained_streams(model_repo_server):
@@ -104,6 +101,23 @@ def test_burst_of_distinct_schemas_beside_unconstrained_streams(model_repo_serve
         except Exception as failure:  # noqa: BLE001 - report every bad output at once
             failures.append(f"{index}: {result.text!r}: {failure!r}")
     assert not failures, "\n".join(failures[:10])
+
+
+def test_server_burst_bench_measures_the_streams_beside_each_burst(model_repo_server):
+    """perf/bench_guided.py --server's measurement at a tiny size (the figure itself is for
+    the GPU host): both bursts run to the end beside the long streams, whose rates are
+    measured during each; schemas numbered apart from the test above (no cache hits)."""
+    import argparse
+    import asyncio
+
+    args = argparse.Namespace(server_streams=2, server_stream_tokens=400, burst=6, server_burst_tokens=8,
+                              server_quiet_s=0.5, server_first_schema=5000)
+    report = asyncio.run(_server_bursts(model_repo_server.grpc_url, args))
+    assert report["quiet_tok_s_per_stream"] > 0
+    for label in ("no_schema", "distinct_schemas"):
+        assert report[label]["errors"] == 0 and report[label]["stream_tok_s_per_stream"] > 0
+    assert report["ratio"] == pytest.approx(report["distinct_schemas"]["stream_tok_s_per_stream"]
+                                            / report["no_schema"]["stream_tok_s_per_stream"], abs=1e-3)
 
 
 def test_openai_tool_calls_through_the_server(model_repo_server):
