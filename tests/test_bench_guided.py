@@ -20,11 +20,13 @@ def test_bench_guided_on_a_tiny_model(tmp_path, capsys):
     assert bench_guided.main([
         "--profile", "profiles/smollm2-random-cpu.yaml", "--shape", "tiny-llama3", "--requests", "4",
         "--isl", "16", "--osl", "8", "--schemas", "3", "--burst", "3", "--burst-background", "2",
-        "--max-batch-size", "8", "--max-num-tokens", "256", "--out", str(out),
+        "--max-batch-size", "8", "--max-num-tokens", "256", "--mask-threads", "0,2", "--out", str(out),
     ]) == 0
     report = json.loads(out.read_text())
     runs = report["throughput"]
-    assert [runs[name]["constrained"] for name in ("none", "half", "all")] == [0, 2, 4]
+    assert [runs[name]["constrained"] for name in ("none", "half", "all", "half@2", "all@2")] == [0, 2, 4, 2, 4]
+    assert (runs["all"]["mask_threads"], runs["all@2"]["mask_threads"]) == (0, 2)
+    assert "ratio_to_none" in runs["all@2"] and report["mask_threads"] == [0, 2]
     assert all(runs[name]["output_tok_s"] > 0 for name in runs)
     assert runs["half"]["ratio_to_none"] == pytest.approx(runs["half"]["output_tok_s"] / runs["none"]["output_tok_s"],
                                                           abs=1e-3)
