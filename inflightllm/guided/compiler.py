@@ -10,7 +10,9 @@ request that asked fails alone) and is not cached.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +20,14 @@ from pathlib import Path
 from inflightllm.guided.spec import GuidedSpec, GuidedSpecError, _short, check_spec, choice_grammar
 
 DEFAULT_CACHE_ENTRIES = 256
+
+
+def default_mask_threads() -> int:
+    """Threads that fill a step's masks together (0: one by one on the step thread). A
+    host with few cores (CI's 2) gains nothing from them; a GPU host's 16 do: one row's
+    fill is tens of microseconds, a thousand rows one by one outlast a decode step."""
+    cores = os.cpu_count() or 1
+    return cores // 2 if cores >= 8 else 0
 
 
 class GrammarCompilerPool:
@@ -37,6 +47,11 @@ class GrammarCompilerPool:
         self._lock = threading.Lock()
         self._cache: OrderedDict[GuidedSpec, Future] = OrderedDict()
         self.num_compiled = 0  # compiles run (not cache hits): tests and metrics read it
+        # Seconds of the last compiles (not cache hits), oldest first: perf/bench_guided.py
+        # reports them; bounded like the cache.
+        self.compile_seconds: list[float] = []
+        self._batch_matcher = None
+        self.mask_threads = default_mask_threads()  # set before the first constrained step
 
     def submit(self, spec: GuidedSpec) -> Future:
         """The Future of `spec`'s compiled grammar (a cached one when there is one)."""
@@ -76,10 +91,20 @@ class GrammarCompilerPool:
         return self._info
 
     def _compile(self, spec: GuidedSpec):
+        started = time.perf_counter()
         check_spec(spec)  # the field-naming error for anything the engine got unchecked
+        loading = time.perf_counter()
         self.tokenizer_info()
-        compiler = self._compiler
+        started += time.perf_counter() - loading  # the vocabulary's one load is not a compile's
         self.num_compiled += 1
+        try:
+            return self._compile_checked(spec)
+        finally:
+            self.compile_seconds.append(time.perf_counter() - started)
+            del self.compile_seconds[: -self.max_entries]
+
+    def _compile_checked(self, spec: GuidedSpec):
+        compiler = self._compiler
         try:
             if spec.kind == "json_schema":
                 return compiler.compile_json_schema(spec.text, any_whitespace=False)
@@ -94,6 +119,18 @@ class GrammarCompilerPool:
         except (RuntimeError, ValueError, TypeError) as error:
             raise GuidedSpecError(f"{spec.field}: {_short(error)}") from None
         raise GuidedSpecError(f"guided_decoding: kind {spec.kind!r} is not supported")
+
+    def batch_matcher(self):
+        """xgrammar's BatchGrammarMatcher with `mask_threads` threads (they fill many rows'
+        masks at once, outside the GIL), made on first use; None when `mask_threads` is 0
+        (rows one by one). The engine's step thread alone uses it."""
+        if not self.mask_threads:
+            return None
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.mask_threads)
+        return self._batch_matcher
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

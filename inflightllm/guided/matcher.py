@@ -24,9 +24,14 @@ class GuidedState:
         self.num_words = (vocab_size + 31) // 32
         self._mask = torch.zeros(1, self.num_words, dtype=torch.int32)  # xgrammar fills a torch row
         self._filled = False
+        self._taken: tuple[int, bool] | None = None  # (token, allowed) accepted by `advance_batch`
 
     def accept(self, token_id: int) -> bool:
-        """Advance over a sampled token; False when the grammar does not allow it."""
+        """Advance over a sampled token; False when the grammar does not allow it. A token
+        that `advance_batch` accepted already is not accepted twice (its answer is kept)."""
+        taken, self._taken = self._taken, None
+        if taken is not None and taken[0] == token_id:
+            return taken[1]
         self._filled = False
         return bool(self.matcher.accept_token(token_id))
 
@@ -44,9 +49,46 @@ class GuidedState:
 
     def allows_only(self, token_ids) -> bool:
         """Whether every allowed next token is one of `token_ids` (the grammar is done)."""
-        allowed = np.unpackbits(self.next_mask().view(np.uint8), bitorder="little")[: self.vocab_size]
-        allowed[[t for t in token_ids if 0 <= t < self.vocab_size]] = 0
-        return not allowed.any()
+        # On the packed words (vocab/32 of them): this runs for every constrained row after
+        # every token, so no unpacking to one byte per token.
+        words = self.next_mask().view(np.uint32).copy()
+        tail = self.vocab_size % 32
+        if tail:
+            words[-1] &= np.uint32((1 << tail) - 1)  # bits past the vocabulary are not tokens
+        for token in token_ids:
+            if 0 <= token < self.vocab_size:
+                words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+        return not words.any()
+
+
+def fill_masks(states: list[GuidedState], batch) -> None:
+    """Fill the next-token masks of the states that need one, in one call of xgrammar's
+    BatchGrammarMatcher `batch` (its worker threads, outside the GIL): one row's fill is
+    tens of microseconds, so 1,024 rows one by one on the step thread would cost more than
+    a decode step."""
+    todo = [state for state in states if not state._filled and not state.matcher.is_terminated()]
+    if not todo:
+        return
+    if len(todo) == 1:
+        todo[0].next_mask()
+        return
+    bitmask = torch.zeros(len(todo), todo[0].num_words, dtype=torch.int32)
+    batch.batch_fill_next_token_bitmask([state.matcher for state in todo], bitmask)
+    for row, state in enumerate(todo):
+        state._mask = bitmask[row:row + 1]
+        state._filled = True
+
+
+def advance_batch(states: list[GuidedState], tokens: list[int], batch) -> None:
+    """Accept each state's sampled token (one call into xgrammar for all), then fill the
+    masks of those that go on (`fill_masks`); the engine's per-request `accept` then takes
+    the kept answer, and its end-of-grammar check reads the filled mask."""
+    tokens = [int(token) for token in tokens]
+    allowed = batch.batch_accept_token([state.matcher for state in states], tokens)
+    for state, token, ok in zip(states, tokens, allowed):
+        state._taken = (token, bool(ok))
+        state._filled = False
+    fill_masks([state for state, ok in zip(states, allowed) if ok], batch)
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from inflightllm.guided.tools import parse_tool_calls
+from inflightllm.guided.tools import TOOL_CALL_MARKER, ToolCallStream, parse_tool_calls
 from inflightllm.openai_frontend import protocol
 from inflightllm.openai_frontend.protocol import (
     ChatCompletionRequest,
@@ -184,6 +184,46 @@ class _Choices:
         first = generations[0]
         return protocol.usage(first.num_input_tokens, sum(g.num_output_tokens for g in generations),
                               first.num_cached_tokens)
+
+
+class _AutoToolText:
+    """The output of tool_choice auto while it streams: text that cannot begin a call goes
+    out as content at once; from the first point where a call may begin (the output starts
+    with `{` or `[`, or a `<tool_call>` marker starts, or the text ends with a prefix of
+    one) the rest is `held` until the output ends."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.holding = False
+        self.started = False  # some non-space text went out as content
+
+    def feed(self, text: str) -> str:
+        if self.holding:
+            self.held += text
+            return ""
+        pending = self.held + text
+        self.held = ""
+        if not self.started:
+            stripped = pending.lstrip()
+            if not stripped or TOOL_CALL_MARKER.startswith(stripped[: len(TOOL_CALL_MARKER)]):
+                if stripped.startswith(TOOL_CALL_MARKER):
+                    self.holding = True
+                self.held = pending
+                return ""
+            if stripped[0] in "{[":
+                self.holding, self.held = True, pending
+                return ""
+            self.started = True
+        marker = pending.find(TOOL_CALL_MARKER)
+        if marker >= 0:
+            self.holding, self.held = True, pending[marker:]
+            return pending[:marker]
+        # Keep back a tail that may be the start of a marker.
+        for keep in range(min(len(TOOL_CALL_MARKER) - 1, len(pending)), 0, -1):
+            if TOOL_CALL_MARKER.startswith(pending[-keep:]):
+                self.held = pending[-keep:]
+                return pending[:-keep]
+        return pending
 
 
 async def _first_disconnect(request: Request) -> None:
@@ -493,36 +533,49 @@ def create_app(backend: TritonBackend, tokenizer, limits: ServingLimits, served_
             }
 
         sent_role: set[int] = set()  # choices whose first chunk (with the role) went out
-        held: list[str] = []  # auto / required: the output, held until it ends (call or content?)
         named_id = protocol.new_id("call")
+        call_stream = ToolCallStream(lambda: protocol.new_id("call"))  # required: calls as they grow
+        auto = _AutoToolText()  # auto: content until a call may start, then held to the end
 
         def delta_chunk(delta: dict, reason=None, logprobs=None) -> dict:
             return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
+        def call_reason(piece: Piece) -> str:
+            return "tool_calls" if piece.finish_reason == "stop" else protocol.finish_reason(piece.finish_reason)
+
         def tool_chunks(piece: Piece) -> list[dict]:
-            """Tool calls streamed as OpenAI streams them: a named function's arguments as
-            they are generated; otherwise each call (id, name, arguments) once the output
-            has ended and parsed as calls, else the held text as content."""
+            """Tool calls streamed as OpenAI streams them. Named: the arguments as they are
+            generated (the first chunk carried the call's id and name). Required: each call's
+            id and name once its name is complete, then its arguments as they grow. Auto:
+            content as generated until the output may be a call (it starts as JSON, or a
+            `<tool_call>` marker begins); from there it is held to the end and sent as calls
+            when it parses as calls of known tools, else as content."""
             result = []
             if plan.mode == "named":
                 if piece.text:
                     result.append(delta_chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece.text}}]}))
                 if piece.finish_reason:
-                    reason = "tool_calls" if piece.finish_reason == "stop" else protocol.finish_reason(piece.finish_reason)
-                    result.append(delta_chunk({}, reason))
+                    result.append(delta_chunk({}, call_reason(piece)))
                 return result
-            held.append(piece.text)
+            if plan.mode == "required":
+                for delta in call_stream.feed(piece.text):
+                    result.append(delta_chunk({"tool_calls": [delta]}))
+                if piece.finish_reason:
+                    result.append(delta_chunk({}, call_reason(piece)))
+                return result
+            content = auto.feed(piece.text)
+            if content:
+                result.append(delta_chunk({"content": content}))
             if not piece.finish_reason:
                 return result
-            text = "".join(held)
-            calls = tool_calls_of(text, piece.finish_reason)
+            calls = tool_calls_of(auto.held, piece.finish_reason) if auto.held else None
             if calls:
                 for index, call in enumerate(calls):
                     result.append(delta_chunk({"tool_calls": [{"index": index, **call}]}))
                 result.append(delta_chunk({}, "tool_calls"))
             else:
-                if text:
-                    result.append(delta_chunk({"content": text}))
+                if auto.held:
+                    result.append(delta_chunk({"content": auto.held}))
                 result.append(delta_chunk({}, protocol.finish_reason(piece.finish_reason)))
             return result
 
