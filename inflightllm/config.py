@@ -41,7 +41,7 @@ class EngineConfig:
     priority_levels: int = 3  # request priorities 0 .. priority_levels - 1
     cuda_graphs: bool = True  # GPU: replay captured CUDA graphs for decode steps (false: eager, for debugging)
     async_scheduling: bool = False  # schedule and launch step N+1 before step N's tokens are emitted
-    preemption_mode: str = "auto"  # auto | recompute | swap (a preempted request's blocks go to host memory)
+    preemption_mode: str = "recompute"  # recompute | swap | auto (docs/KV-PRESSURE.md: recompute measured faster)
     swap_space_blocks: int = 0  # swap: host-memory blocks for preempted requests; 0 = as many as KV blocks
     capacity_policy: str = "max_utilization"  # max_utilization | guaranteed_no_evict
     kv_watermark: float = 0.01  # max_utilization: fraction of the KV blocks kept free when admitting (vLLM's 0.01)

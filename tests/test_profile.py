@@ -423,7 +423,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         (
             [("model.shape", "llama9")],
             "model.shape: unknown model shape 'llama9'; known shapes: "
-            "llama3-70b, llama3-8b, llama3-8b-tp2-rank, smollm2-135m, tiny-llama3, tiny-mistral, tiny-qwen2",
+            "llama3-70b, llama3-8b, llama3-8b-tp2-rank, smollm2-135m, tiny-llama3, tiny-llama3-v1k, tiny-mistral, tiny-qwen2",
         ),
         ([("model.shape", "")], "model.shape: must not be empty"),
     ],
@@ -639,7 +639,7 @@ def test_capacity_policy_takes_tensorrt_llm_names_in_any_case(tmp_path, written,
 
 
 def test_engine_config_checks_the_kv_pressure_settings_itself():
-    assert EngineConfig().capacity_policy == "max_utilization" and EngineConfig().preemption_mode == "auto"
+    assert EngineConfig().capacity_policy == "max_utilization" and EngineConfig().preemption_mode == "recompute"
     assert EngineConfig(capacity_policy=" GUARANTEED_NO_EVICT").capacity_policy == "guaranteed_no_evict"
     with pytest.raises(ValueError, match=r"^capacity_policy: 'static' is not allowed; allowed values: max_utilization, "
                                          r"guaranteed_no_evict \(or TensorRT-LLM's GUARANTEED_NO_EVICT, "
