@@ -71,25 +71,32 @@ def test_n4_seeded_outputs_equal_each_alone_and_share_the_prompt(engine):
     assert engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("beam_width", [2, 4, 8])
-def test_beams_equal_transformers(engine, beam_width):
-    reference = Reference(engine)
-    prompt = make_prompts(2, engine.vocab_size, seed=5)[1]
-    group = GroupParams(beam_width=beam_width, length_penalty=1.0, early_stopping=False)
-    _, [final] = generate(engine, f"beams-{beam_width}", prompt, SamplingParams(max_tokens=10), group)
+def transformers_beams(reference, engine, prompt: list[int], width: int) -> tuple[list[list[int]], list[float]]:
+    """`transformers` beam search of 10 tokens on the same weights (length_penalty 1,
+    early_stopping False): every returned beam's generated ids up to its EOS, and the scores."""
     eos = sorted(engine.loaded.eos_token_ids)
     with torch.inference_mode():
         ids = torch.tensor([prompt], device=reference.model.device)
         out = reference.model.generate(
-            ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, num_return_sequences=beam_width,
+            ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
             do_sample=False, max_new_tokens=10, length_penalty=1.0, early_stopping=False, output_scores=True,
             return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos[0])
     expected = []
     for sequence in out.sequences.tolist():
         generated = sequence[len(prompt):]
         expected.append(generated[: next((i for i, t in enumerate(generated) if t in eos), len(generated))])
+    return expected, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("beam_width", [2, 4, 8])
+def test_beams_equal_transformers(engine, beam_width):
+    reference = Reference(engine)
+    prompt = make_prompts(2, engine.vocab_size, seed=5)[1]
+    group = GroupParams(beam_width=beam_width, length_penalty=1.0, early_stopping=False)
+    _, [final] = generate(engine, f"beams-{beam_width}", prompt, SamplingParams(max_tokens=10), group)
+    expected, scores = transformers_beams(reference, engine, prompt, beam_width)
     assert final.beam_token_ids == expected
-    assert final.beam_scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
+    assert final.beam_scores == pytest.approx(scores, abs=1e-3)
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -137,19 +144,9 @@ def test_beam_groups_together_move_rows_and_equal_transformers(engine):
     # Sent whole: each group's first sequence and the beams of its first step; nothing after.
     beam_sent = [request_id for request_id in recorder.sent_whole if request_id.startswith("together-")]
     assert len(beam_sent) == sum(widths), beam_sent
-    eos = sorted(engine.loaded.eos_token_ids)
     for width, prompt in zip(widths, prompts, strict=False):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device=reference.model.device)
-            out = reference.model.generate(
-                ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
-                do_sample=False, max_new_tokens=10, length_penalty=1.0, early_stopping=False, output_scores=True,
-                return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos[0])
-        expected = []
-        for sequence in out.sequences.tolist():
-            generated = sequence[len(prompt):]
-            expected.append(generated[: next((i for i, t in enumerate(generated) if t in eos), len(generated))])
+        expected, scores = transformers_beams(reference, engine, prompt, width)
         final = finals[f"together-{width}"]
         assert final.beam_token_ids == expected, width
-        assert final.beam_scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-3), width
+        assert final.beam_scores == pytest.approx(scores, abs=1e-3), width
     assert engine.block_manager.num_used_blocks == 0
