@@ -284,10 +284,16 @@ class BlockManager:
             num_tokens_after = held * self.block_size + num_new_tokens
         return max(0, self.blocks_for_tokens(num_tokens_after) - held)
 
+    def admission_blocks(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> tuple[int, int]:
+        """What admitting the request would take: (blocks out of the free queue: its new
+        ones and its cached prefix blocks nobody holds, cached prefix blocks others hold)."""
+        held = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count > 0)
+        reclaimed = len(computed_blocks) - held
+        return self._num_new_blocks(request, computed_blocks, num_new_tokens) + reclaimed, held
+
     def can_allocate(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> bool:
         """Whether `allocate` would succeed for a request being admitted."""
-        reclaimed = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
-        return self._num_new_blocks(request, computed_blocks, num_new_tokens) <= self.num_free_blocks - reclaimed
+        return self.admission_blocks(request, computed_blocks, num_new_tokens)[0] <= self.num_free_blocks
 
     def allocate(self, request: Request, computed_blocks: list[int], num_new_tokens: int) -> None:
         """Admit a request: share its cached prefix blocks and allocate room for

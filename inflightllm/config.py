@@ -109,11 +109,14 @@ class EngineConfig:
         return cls(**values)
 
 
+CAPACITY_POLICIES_ALLOWED = (f"allowed values: {', '.join(CAPACITY_POLICIES)} "
+                             "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)")
+
+
 def capacity_policy_name(value: str) -> str:
     """Our name of a capacity policy: ours or TensorRT-LLM's (`GUARANTEED_NO_EVICT`,
     `MAX_UTILIZATION`), in any case. ValueError naming the allowed values otherwise."""
     name = value.strip().lower() if isinstance(value, str) else value
     if name not in CAPACITY_POLICIES:
-        raise ValueError(f"capacity_policy: {value!r} is not allowed; allowed values: {', '.join(CAPACITY_POLICIES)} "
-                         "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)")
+        raise ValueError(f"capacity_policy: {value!r} is not allowed; {CAPACITY_POLICIES_ALLOWED}")
     return name

@@ -254,9 +254,7 @@ class Engine:
         if host_blocks > 0 and not config.enable_kv_cache_reuse:
             raise ValueError("host_kv_cache_bytes > 0 needs enable_kv_cache_reuse: true (the host tier extends "
                              "the prefix cache)")
-        host_tier = HostKVTier(host_blocks, config.block_size) if host_blocks > 0 else None
-        self.block_manager = BlockManager(blocks, config.block_size, config.enable_kv_cache_reuse, host_tier)
-        self._step_transfers: tuple[list, list] = ([], [])  # the last described step's host-tier copies
+        self._new_block_manager(blocks, host_blocks)
         # The cost model of `preemption_mode: auto`: the runner's host link, measured at its
         # start (None for runners without one: auto recomputes), and the prefill seconds per
         # token of this engine's own steps (`_observe_step`).
@@ -824,8 +822,7 @@ class Engine:
             if self._counters.tokens_last_step > len(scheduled.scheduled):  # a prefill chunk in it
                 self.costs.observe_step(time.perf_counter() - started, self._counters.tokens_last_step)
             self._counters.steps += 1
-            if scheduled.swapped_out or scheduled.swapped_in:
-                self._count_swaps(scheduled)
+            self._count_swaps(scheduled)
             size = self.block_manager.block_size
             for item in scheduled.scheduled:
                 request = item.request
@@ -862,8 +859,7 @@ class Engine:
                 self._fail_step(scheduled, error, outputs)
             else:
                 self._counters.steps += 1
-                if scheduled.swapped_out or scheduled.swapped_in:
-                    self._count_swaps(scheduled)
+                self._count_swaps(scheduled)
                 tokens = self._counters.tokens_last_step
                 if tokens > len(scheduled.scheduled):  # a prefill chunk in it: timed when its tokens come
                     launch_timing = (described, tokens)
@@ -896,6 +892,8 @@ class Engine:
 
     def _count_swaps(self, scheduled: SchedulerOutput) -> None:
         """Blocks a step that ran copied to host memory and back (swap preemptions)."""
+        if not (scheduled.swapped_out or scheduled.swapped_in):
+            return
         counters = self._counters
         counters.swapped_out_blocks += sum(len(block_ids) for _, block_ids in scheduled.swapped_out)
         counters.swapped_in_blocks += sum(len(block_ids) for _, block_ids in scheduled.swapped_in)
@@ -913,13 +911,16 @@ class Engine:
         if self.has_unfinished() or self.requests:
             raise RuntimeError("reconfigure: the engine has unfinished requests; allowed only when idle")
         self.config = dataclasses.replace(self.config, **changes)
-        manager = self.block_manager
-        tier = manager.host_tier  # the host tier starts empty too (its slots are overwritten as reused)
-        host_tier = HostKVTier(tier.num_blocks, manager.block_size) if tier is not None else None
-        self.block_manager = BlockManager(manager.num_blocks, manager.block_size, self.config.enable_kv_cache_reuse,
-                                          host_tier)
-        self._step_transfers = ([], [])
+        manager = self.block_manager  # the host tier starts empty too (its slots are overwritten as reused)
+        self._new_block_manager(manager.num_blocks, manager.host_tier.num_blocks if manager.host_tier else 0)
         self.scheduler = Scheduler(self.config, self.block_manager, self.costs)
+
+    def _new_block_manager(self, num_blocks: int, num_host_blocks: int) -> None:
+        """An empty block manager (and host tier, with host blocks) for the config."""
+        config = self.config
+        host_tier = HostKVTier(num_host_blocks, config.block_size) if num_host_blocks > 0 else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_kv_cache_reuse, host_tier)
+        self._step_transfers: tuple[list, list] = ([], [])  # the last described step's host-tier copies
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception, outputs: list[RequestOutput]) -> None:
         """A step that raised fails its own requests only; the engine goes on."""

@@ -116,13 +116,10 @@ class ModelRunner:
         self.host_link = measure_host_link(self.attention.key_cache, self.attention.value_cache, num_blocks)
         # The host KV tier (engine.host_kv_cache_bytes): ordinary CPU tensors of the cache's
         # shape, so CI runs the tier's copies for real.
-        self.num_host_blocks = 0
+        self.num_host_blocks = num_host_blocks(host_kv_cache_bytes, self.host_link.bytes_per_block)
         self.host_kv_bytes_per_block = 0
-        if host_kv_cache_bytes > 0:
-            cache_bytes = sum(k.nbytes + v.nbytes for k, v in zip(self.attention.key_cache, self.attention.value_cache))
-            self.num_host_blocks = num_host_blocks(host_kv_cache_bytes, cache_bytes // num_blocks)
-            if self.num_host_blocks:
-                self.host_kv_bytes_per_block = self.attention.allocate_host_tier(self.num_host_blocks)
+        if self.num_host_blocks:
+            self.host_kv_bytes_per_block = self.attention.allocate_host_tier(self.num_host_blocks)
         self.states = RequestStates()
         self.sampler = Sampler(sampler_seed)
 

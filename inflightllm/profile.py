@@ -22,12 +22,13 @@ import yaml
 
 from inflightllm.config import (
     BATCHING_STRATEGIES,
-    CAPACITY_POLICIES,
+    CAPACITY_POLICIES_ALLOWED,
     DEVICE_KINDS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     RUNNERS,
     EngineConfig,
+    capacity_policy_name,
 )
 from inflightllm.model_source import (
     DTYPES,
@@ -384,13 +385,10 @@ def _read_device(reader: _Reader, data: dict) -> tuple[str, tuple[int, ...], int
 
 def _capacity_policy(reader: _Reader, value: Any) -> str:
     text = reader.string(value, "engine.capacity_policy")
-    if text.strip().lower() not in CAPACITY_POLICIES:
-        reader.fail(
-            "engine.capacity_policy",
-            f"{text!r} is not allowed; allowed values: {', '.join(CAPACITY_POLICIES)} "
-            "(or TensorRT-LLM's GUARANTEED_NO_EVICT, MAX_UTILIZATION; any case)",
-        )
-    return text.strip().lower()
+    try:
+        return capacity_policy_name(text)  # ours, lowercase
+    except ValueError:
+        reader.fail("engine.capacity_policy", f"{text!r} is not allowed; {CAPACITY_POLICIES_ALLOWED}")
 
 
 def _read_engine(

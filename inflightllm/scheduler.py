@@ -35,7 +35,7 @@ Preemption modes: `recompute` frees a victim's blocks and recomputes its tokens 
 (from the prefix cache, as far as its freed blocks are still cached); `swap` copies its
 computed blocks to host memory (the runner's attention backend does the copies, before
 the step's forward) and copies them back into fresh blocks on readmission, falling back
-to recompute when the host pool is full; `auto` (the default) chooses per victim by the
+to recompute when the host pool is full; `auto` chooses per victim by the
 measured costs (inflightllm.kv_pressure.PreemptionCostModel): swap when copying its full
 computed blocks out and back is cheaper than computing their tokens again.
 
@@ -450,12 +450,7 @@ class Scheduler:
         else:
             computed = manager.get_computed_blocks(request)
             num_new = min(self._admission_target(request) - len(computed) * manager.block_size, budget)
-            # Blocks it takes from the free queue: its new ones and its cached prefix blocks
-            # that nobody holds (BlockManager.can_allocate counts the same).
-            blocks = manager.blocks
-            held_hits = sum(1 for block_id in computed if blocks[block_id].ref_count > 0)
-            taken = (manager.blocks_for_tokens(len(computed) * manager.block_size + num_new) - len(computed)
-                     + len(computed) - held_hits)
+            taken, held_hits = manager.admission_blocks(request, computed, num_new)
             if not self._fits(request, taken, held_hits):
                 return None
             self._admit(request, computed, num_new)

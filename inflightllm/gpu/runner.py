@@ -134,7 +134,7 @@ class GpuModelRunner:
         )
         # The host KV tier (engine.host_kv_cache_bytes): pinned host slots, copies on their own
         # stream (CudaPagedAttention.offload_blocks / onload_blocks).
-        self.num_host_blocks = num_host_blocks(getattr(config, "host_kv_cache_bytes", 0), self._bytes_per_block())
+        self.num_host_blocks = num_host_blocks(config.host_kv_cache_bytes, self._bytes_per_block())
         self.host_kv_bytes_per_block = 0
         if self.num_host_blocks:
             self.host_kv_bytes_per_block = self.attention.allocate_host_tier(self.num_host_blocks)
