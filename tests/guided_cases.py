@@ -118,3 +118,16 @@ GRAMMARS: list[tuple[str, str]] = [
     ('root ::= term (op term){0,3}\nop ::= "+" | "-" | "*"\nterm ::= num | "(" num op num ")"\nnum ::= [0-9]{1,2}',
      r"([0-9]{1,2}|\([0-9]{1,2}[-+*][0-9]{1,2}\))([-+*]([0-9]{1,2}|\([0-9]{1,2}[-+*][0-9]{1,2}\))){0,3}"),
 ]
+
+
+def run_to_end(engine) -> tuple[dict[str, list[int]], dict[str, tuple]]:
+    """Step the engine until every request ends: each request's tokens, and its
+    (finish reason, error) once finished."""
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, tuple] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                finished[output.request_id] = (output.finish_reason, output.error)
+    return tokens, finished

@@ -12,7 +12,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 
 from inflightllm.guided.matcher import GuidedState, advance_batch, fill_masks  # noqa: E402
-from tests.guided_cases import SCHEMAS  # noqa: E402
+from tests.guided_cases import SCHEMAS, run_to_end  # noqa: E402
 
 VOCAB = 49152
 
@@ -74,13 +74,7 @@ def test_engine_with_mask_threads_gives_the_same_outputs(smollm2_tokenizer):
                                         seed=index * 10 + copy)
                 engine.add_request(f"s{index}-{copy}", prompt, params)
         engine.add_request("free", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-        tokens: dict[str, list[int]] = {}
-        finished = {}
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-                if output.finished:
-                    finished[output.request_id] = (output.finish_reason, output.error)
+        tokens, finished = run_to_end(engine)
         assert (engine.grammar_compiler().batch_matcher() is None) == (threads == 0)
         results[threads] = (tokens, finished)
     assert results[2] == results[0]

@@ -21,7 +21,7 @@ from inflightllm.model_source import DEFAULT_MODEL, load_tokenizer  # noqa: E402
 from inflightllm.request import FinishReason  # noqa: E402
 from inflightllm.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.test_gpu_engine import gpu_config, model_spec  # noqa: E402
-from tests.guided_cases import GRAMMARS, REGEXES, SCHEMAS  # noqa: E402
+from tests.guided_cases import GRAMMARS, REGEXES, SCHEMAS, run_to_end  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +54,7 @@ def test_constrained_rows_validate_on_the_gpu(tokenizer, async_scheduling, dtype
         engine.add_request(name + "-t", prompt, SamplingParams(max_tokens=128, guided=guided, temperature=1.0, seed=1))
     for index in range(4):
         engine.add_request(f"free{index}", prompt, SamplingParams(max_tokens=16, temperature=index * 0.5, seed=index))
-    tokens: dict[str, list[int]] = {}
-    finished = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-            if output.finished:
-                finished[output.request_id] = (output.finish_reason, output.error)
+    tokens, finished = run_to_end(engine)
     failures = []
     for name, (_, check) in checks.items():
         for request_id in (name, name + "-t"):
