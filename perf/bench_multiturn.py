@@ -81,6 +81,8 @@ def run_chats(engine: Engine, workload: Workload, vocab: int, tag: str, seed: in
     ttft: list[tuple[int, float]] = []  # (turn, seconds)
     params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True)
     before = engine.stats()
+    host_before = dict(engine.host_seconds)
+    step_seconds: list[float] = []  # each engine.step() call's wall time (where a TTFT goes)
     sync()
     start = time.perf_counter()
     while ready or in_flight:
@@ -93,7 +95,10 @@ def run_chats(engine: Engine, workload: Workload, vocab: int, tag: str, seed: in
             engine.add_request(request_id, prompt, params)
             in_flight[request_id] = (conversation, turn)
             outputs[request_id] = []
-        for output in engine.step():
+        stepped = time.perf_counter()
+        step_outputs = engine.step()
+        step_seconds.append(time.perf_counter() - stepped)
+        for output in step_outputs:
             if output.error is not None:
                 raise RuntimeError(f"{tag}: {output.error}")
             request_id = output.request_id
@@ -130,6 +135,16 @@ def run_chats(engine: Engine, workload: Workload, vocab: int, tag: str, seed: in
         "host_onloaded_bytes": stats.host_kv_onloaded_bytes_total - before.host_kv_onloaded_bytes_total,
         "host_blocks_held": stats.host_kv_blocks_held,
         "preemptions": stats.num_preemptions_total - before.num_preemptions_total,
+        "step_calls": len(step_seconds),
+        "step_ms_p50": round(1000 * percentile(step_seconds, 0.5), 2) if step_seconds else None,
+        "step_ms_p90": round(1000 * percentile(step_seconds, 0.9), 2) if step_seconds else None,
+        "step_ms_max": round(1000 * max(step_seconds), 2) if step_seconds else None,
+        "ttft_p50_ms_by_turn": {turn: round(1000 * percentile([s for t, s in ttft if t == turn], 0.5), 2)
+                                for turn in sorted({t for t, _ in ttft})},
+        # The engine's own host seconds by part over the run (async scheduling: schedule,
+        # launch, wait for the device, emit), in ms per step.
+        "host_ms_per_step": {key: round(1000 * (value - host_before.get(key, 0.0)) / max(1, len(step_seconds)), 3)
+                             for key, value in engine.host_seconds.items() if key != "steps"},
         "outputs": [outputs[key] for key in sorted(outputs)],
     }
 

@@ -57,7 +57,8 @@ from perf.bench_gpu import prompts_of, sync
 ROWS = "128/128x1024,2048/128x512,128/2048x512,2048/2048x256"
 # TensorRT-LLM's published H200 figures (FP8, its performance overview), output tok/s.
 PUBLISHED = {(128, 128): 27911, (2048, 128): 3538, (128, 2048): 26221, (2048, 2048): 12194}
-VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "fp8"), "fp8-weights": ("fp8", "auto")}
+# (weights quantization, KV cache dtype): fp8-kv keeps bf16 weights with an FP8 KV cache.
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "fp8"), "fp8-weights": ("fp8", "auto"), "fp8-kv": (None, "fp8")}
 # --sampling: the rows' requests sampled each way (all with ignore_eos, so every row generates
 # the same number of tokens).
 SAMPLINGS = {

@@ -7,7 +7,8 @@
 #   OUT=$OUT STEPS="tests,sampler,sampled" bash perf/run_kv_pressure_device.sh   # carry build/bundle/part1
 #
 # STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups. POLICIES,
-# MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options).
+# MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options); VARIANTS
+# (bench_rows --variants, e.g. fp8-kv: bf16 weights with an FP8 KV cache).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 STEPS="${STEPS:-tests,sampler,sampled}"
@@ -31,10 +32,11 @@ fi
 if has pressure; then
   step pressure_rows "${PRESSURE_LIMIT:-540}" "$PY" -m perf.bench_rows --profile "$PROFILE" \
     --rows "${PRESSURE_ROWS:-128/2048x512,2048/2048x256}" --capacity-policy "${POLICIES:-max_utilization}" \
-    --preemption-mode "${MODES:-auto,recompute}" --out "$OUT/pressure_rows.json"
+    --preemption-mode "${MODES:-auto,recompute}" ${VARIANTS:+--variants "$VARIANTS"} --out "$OUT/pressure_rows.json"
 fi
 if has multiturn; then
-  step multiturn 240 "$PY" -m perf.bench_multiturn --shape llama3-8b --device gpu --out "$OUT/multiturn.json"
+  step multiturn "${MULTITURN_LIMIT:-240}" "$PY" -m perf.bench_multiturn --shape llama3-8b --device gpu \
+    ${MULTITURN_ARGS:-} --out "$OUT/multiturn.json"
 fi
 if has groups; then
   step bench_groups 270 "$PY" -m perf.bench_sequence_groups --out "$OUT/sequence_groups.json"
