@@ -6,7 +6,8 @@
 #
 #   OUT=$OUT STEPS="tests,sampler,sampled" bash perf/run_kv_pressure_device.sh   # carry build/bundle/part1
 #
-# STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups. POLICIES,
+# STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups, guided (carry
+# build/bundle/part2/guided.tar.xz too). POLICIES,
 # MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options); VARIANTS
 # (bench_rows --variants, e.g. fp8-kv: bf16 weights with an FP8 KV cache).
 set -u
@@ -40,6 +41,13 @@ if has multiturn; then
 fi
 if has groups; then
   step bench_groups 270 "$PY" -m perf.bench_sequence_groups --out "$OUT/sequence_groups.json"
+fi
+if has guided; then
+  # xgrammar and jsonschema from the bundle's part 2 (carry build/bundle/part2/guided.tar.xz)
+  if ! "$PY" -c "import xgrammar" 2> /dev/null && [ -f build/bundle/part2/guided.tar.xz ]; then
+    tar -xJf build/bundle/part2/guided.tar.xz -C "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  fi
+  step bench_guided "${GUIDED_LIMIT:-300}" "$PY" -m perf.bench_guided ${GUIDED_ARGS:-} --out "$OUT/guided.json"
 fi
 cat "$SUMMARY"
 exit $STATUS

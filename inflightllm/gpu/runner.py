@@ -115,6 +115,13 @@ class GpuModelRunner:
                 kv_cache_dtype=self.kv_cache_dtype, kv_scales=getattr(loaded, "kv_scales", None),
             )
 
+        # Cascade decode (INFLIGHTLLM_CASCADE_DECODE: auto, always, off): decode steps whose
+        # groups share prefix blocks run eagerly with the prefix attended once per group.
+        from inflightllm.attention.cuda.backend import cascade_mode
+
+        self.cascade_mode = cascade_mode()
+        self.cascade_steps = 0
+        self.cascade_saved_tokens = 0  # K/V token reads saved, summed over steps
         self.staging = PinnedStaging(self.device)
         self.sampler = GpuSampler(self.device, self.max_rows, sampler_seed, upload=self.staging.upload)
         if num_blocks is None:
@@ -322,6 +329,19 @@ class GpuModelRunner:
             query_start_loc=self.query_start_loc[: num_seqs + 1],
         )
 
+    def _cascade_plan(self, rows: np.ndarray, num_computed: np.ndarray, num_decodes: int):
+        """The step's cascade decode (attention/cuda/backend.py plan_cascade): decodes that
+        share whole prefix blocks (a request's n sequences or beams; requests with a common
+        cached prefix) attend them once per group. None: not worth it, or off."""
+        if num_decodes < 2 or self.cascade_mode == "off" or self.attention.sliding_window:
+            return None
+        from inflightllm.attention.cuda.backend import plan_cascade
+
+        context = num_computed[:num_decodes] + 1
+        width = int(-(-int(context.max()) // self.block_size))
+        return plan_cascade(self.block_table[rows[:num_decodes], :width], context, self.block_size,
+                            self.cascade_mode, self._bytes_per_block() // self.block_size)
+
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_metadata(self, batch: int):
         from inflightllm.attention.cuda.backend import CudaAttentionMetadata
@@ -441,7 +461,8 @@ class GpuModelRunner:
         last_token = np.cumsum(query_lens) - 1
         samples = num_computed + query_lens == self.num_tokens[rows]
 
-        bucket = self._bucket(batch) if num_decodes == batch else None
+        plan = self._cascade_plan(rows, num_computed, num_decodes)
+        bucket = self._bucket(batch) if num_decodes == batch and plan is None else None
         if bucket is not None:
             self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             if bucket > batch:  # padding rows: nothing written, one harmless key read
@@ -460,6 +481,10 @@ class GpuModelRunner:
                 logits = self.model.compute_logits(graph_hidden.index_select(0, selected), dtype=None)
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
+            if plan is not None:  # eager: the groups' shared prefixes read once (no graph of that shape)
+                metadata.cascade = plan.upload(self.staging.upload)
+                self.cascade_steps += 1
+                self.cascade_saved_tokens += plan.saved_tokens
             total = int(query_lens.sum())
             with ops.torch_stream():
                 hidden = self.model.forward(self.input_ids[:total], self.positions[:total], self.attention, metadata)

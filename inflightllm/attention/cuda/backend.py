@@ -26,6 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inflightllm.attention.base import AttentionBackend, SequenceSlice
@@ -109,6 +110,134 @@ class PinnedHostTensor:
             self.registered = False
 
 
+# Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = auto (when it saves enough
+# reads, below), always (whenever decodes share a block: tests), off.
+CASCADE_MODES = ("auto", "always", "off")
+# auto: a step's shared prefixes must save at least this many bytes of K/V reads (all layers,
+# summed over the decodes: 8 GiB is ~2 ms of HBM on an H200, about what the eager step's
+# launches cost against a CUDA graph's replay) and this fraction of all its decode reads.
+CASCADE_MIN_SAVED_BYTES = 8 << 30
+CASCADE_MIN_SAVED_FRACTION = 0.25
+# Sequences of one cascade group at most: a larger set sharing a prefix is cut into groups of
+# this many (each reads the prefix once); the launch pads every group to the widest.
+CASCADE_MAX_WIDTH = 16
+
+
+def cascade_mode() -> str:
+    mode = os.environ.get("INFLIGHTLLM_CASCADE_DECODE", "").strip() or "auto"
+    if mode not in CASCADE_MODES:
+        raise ValueError(f"INFLIGHTLLM_CASCADE_DECODE={mode!r}; allowed: {', '.join(CASCADE_MODES)}")
+    return mode
+
+
+@dataclass
+class CascadePlan:
+    """Host arrays of a cascade decode step (plan_cascade); `upload` makes a CascadeDecode."""
+
+    width: int  # sequences per group, padded
+    member_rows: np.ndarray  # [groups * width] int64 decode rows; padding repeats a real member
+    valid_index: np.ndarray  # [members] int64 positions of the real members in member_rows
+    prefix_tables: np.ndarray  # [groups, prefix blocks] int32
+    prefix_lens: np.ndarray  # [groups] int32 tokens of the shared prefix
+    suffix_tables: np.ndarray  # [num_decodes, blocks] int32 each decode's blocks after its prefix
+    suffix_lens: np.ndarray  # [num_decodes] int32
+    saved_tokens: int  # K/V token reads saved (summed over the decodes)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens)
+
+    def upload(self, upload) -> "CascadeDecode":
+        """Device tensors through `upload` (host array -> device tensor)."""
+        rows = self.member_rows
+        return CascadeDecode(
+            num_groups=self.num_groups, width=self.width,
+            member_rows=upload(rows), valid_index=upload(self.valid_index),
+            valid_rows=upload(rows[self.valid_index]),
+            prefix_tables=upload(self.prefix_tables), prefix_lens=upload(self.prefix_lens),
+            suffix_tables=upload(self.suffix_tables), suffix_lens=upload(self.suffix_lens),
+        )
+
+
+@dataclass
+class CascadeDecode:
+    """Device side of a CascadePlan (CudaAttentionMetadata.cascade)."""
+
+    num_groups: int
+    width: int
+    member_rows: torch.Tensor
+    valid_index: torch.Tensor
+    valid_rows: torch.Tensor
+    prefix_tables: torch.Tensor
+    prefix_lens: torch.Tensor
+    suffix_tables: torch.Tensor
+    suffix_lens: torch.Tensor
+
+
+def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, mode: str = "auto",
+                 bytes_per_token: int = 0, max_width: int = CASCADE_MAX_WIDTH) -> CascadePlan | None:
+    """Which decodes share a prefix of whole blocks, and whether attending it once per group
+    is worth an eager step. tables [num_decodes, >= blocks] int32 (each decode's block ids),
+    context_lens [num_decodes] (tokens after this step). Decodes are grouped by their first
+    block; a group's prefix is the blocks all its members hold, before the block each writes
+    (the n sequences of a request share the prompt's full blocks; requests share cached
+    prefix blocks). bytes_per_token: K/V bytes of a token over all layers (auto's threshold).
+    None: nothing shared, or (auto) too little saved."""
+    if mode == "off" or len(context_lens) < 2:
+        return None
+    first = tables[:, 0]
+    values, counts = np.unique(first, return_counts=True)
+    if counts.max() < 2:
+        return None
+    context_lens = np.asarray(context_lens, np.int64)
+    full_blocks = (context_lens - 1) // block_size  # blocks before the one holding the new token
+    shared = np.zeros(len(context_lens), np.int64)
+    groups: list[tuple[np.ndarray, int]] = []
+    for value in values[counts >= 2]:
+        members = np.flatnonzero(first == value)
+        limit = int(full_blocks[members].min())
+        if limit <= 0:
+            continue
+        same = (tables[members, :limit] == tables[members[0], :limit]).all(axis=0)
+        blocks = limit if same.all() else int(np.argmin(same))
+        if blocks <= 0:
+            continue
+        shared[members] = blocks
+        for start in range(0, len(members), max_width):
+            chunk = members[start : start + max_width]
+            if len(chunk) >= 2:
+                groups.append((chunk, blocks))
+            else:
+                shared[chunk] = 0  # a lone remainder attends its whole context itself
+    if not groups:
+        return None
+    saved = sum((len(chunk) - 1) * blocks * block_size for chunk, blocks in groups)
+    if mode == "auto" and (saved * bytes_per_token < CASCADE_MIN_SAVED_BYTES
+                           or saved < CASCADE_MIN_SAVED_FRACTION * float(context_lens.sum())):
+        return None
+    width = max(len(chunk) for chunk, _ in groups)
+    prefix_width = max(blocks for _, blocks in groups)
+    member_rows = np.empty(len(groups) * width, np.int64)
+    valid = []
+    prefix_tables = np.zeros((len(groups), prefix_width), np.int32)
+    prefix_lens = np.empty(len(groups), np.int32)
+    for g, (chunk, blocks) in enumerate(groups):
+        member_rows[g * width : g * width + len(chunk)] = chunk
+        member_rows[g * width + len(chunk) : (g + 1) * width] = chunk[0]  # padding: a real query, dropped
+        valid.extend(range(g * width, g * width + len(chunk)))
+        prefix_tables[g, :blocks] = tables[chunk[0], :blocks]
+        prefix_lens[g] = blocks * block_size
+    blocks_needed = -(-context_lens // block_size)
+    suffix_width = max(1, int((blocks_needed - shared).max()))
+    index = np.minimum(shared[:, None] + np.arange(suffix_width)[None, :], tables.shape[1] - 1)
+    suffix_tables = np.take_along_axis(tables, index, axis=1).astype(np.int32)
+    suffix_lens = (context_lens - shared * block_size).astype(np.int32)
+    return CascadePlan(width=width, member_rows=member_rows, valid_index=np.asarray(valid, np.int64),
+                       prefix_tables=prefix_tables, prefix_lens=prefix_lens,
+                       suffix_tables=np.ascontiguousarray(suffix_tables), suffix_lens=suffix_lens,
+                       saved_tokens=int(saved))
+
+
 @dataclass
 class CudaAttentionMetadata:
     """A packed step, no padding except for CUDA-graph buckets. Sequences are ordered: the
@@ -125,6 +254,8 @@ class CudaAttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor  # [num_seqs] int32, tokens in cache after this step; 0 = padding row
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32 prefix sums of query lengths
+    # Decodes that share a prefix of whole blocks attend it once per group (plan_cascade).
+    cascade: "CascadeDecode | None" = None
 
     @property
     def num_tokens(self) -> int:
@@ -460,7 +591,9 @@ class CudaPagedAttention(AttentionBackend):
             query = query.clone(memory_format=torch.contiguous_format)
         window = self.sliding_window or 0
         nd = metadata.num_decodes
-        if nd > 0:
+        if nd > 0 and metadata.cascade is not None and not window:
+            self._cascade_decode(query, key_cache, value_cache, metadata.cascade, nd, out, stream, scales)
+        elif nd > 0:
             impl, splits = self.decode_kernel(nd)
             ops.paged_decode(
                 query,
@@ -520,6 +653,52 @@ class CudaPagedAttention(AttentionBackend):
                 stream,
             )
         return out
+
+    def _cascade_splits(self, num_seqs: int, group: int) -> int:
+        """Splits for `num_seqs` decodes of `group` query heads per kv head (decode_splits' rule)."""
+        maxg, per_kv = ops.decode_group_split(group)
+        base = self.num_kv_heads * per_kv * max(1, num_seqs)
+        slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
+        return max(1, min(slots // base, ops.MAX_SPLITS, -(-self.max_model_len // 128)))
+
+    def _cascade_decode(self, query, key_cache, value_cache, cascade: CascadeDecode, nd: int, out, stream, scales):
+        """Decode attention of decodes that share prefixes (plan_cascade): each group's width
+        sequences attend their shared prefix in one pass, as one sequence of width x
+        num_heads query heads (its K/V read once, not once per sequence), every decode
+        attends its own blocks after the prefix, and the two passes' partials merge as
+        flash-decoding's splits do (ops.merge_partials)."""
+        G, n = cascade.num_groups, cascade.width
+        H, kvh, D = self.num_heads, self.num_kv_heads, self.head_dim
+        grp = H // kvh
+        q = query[:nd]
+        # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
+        grouped = q.index_select(0, cascade.member_rows).view(G, n, kvh, grp, D).transpose(1, 2)
+        grouped = grouped.reshape(G, kvh * n * grp, D)
+        z1 = self._cascade_splits(G, n * grp)
+        variant = "v4" if z1 == 1 else "v2"
+        po1, pm1, pl1 = ops.paged_decode_partials(
+            grouped, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, G, z1, n * H, kvh, D,
+            self._bs_shift, self.scale, stream, variant, self.decode_min_split, scales)
+        po1 = po1.view(G, kvh, n, grp, z1, D).transpose(1, 2).reshape(G * n, H, z1, D)
+        pm1 = pm1.view(G, kvh, n, grp, z1).transpose(1, 2).reshape(G * n, H, z1)
+        pl1 = pl1.view(G, kvh, n, grp, z1).transpose(1, 2).reshape(G * n, H, z1)
+        z2 = self._cascade_splits(nd, grp)
+        variant = "v4" if z2 == 1 else "v2"
+        po2, pm2, pl2 = ops.paged_decode_partials(
+            q, key_cache, value_cache, cascade.suffix_tables, cascade.suffix_lens, nd, z2, H, kvh, D,
+            self._bs_shift, self.scale, stream, variant, self.decode_min_split, scales)
+        # Each decode's prefix partials (none for a decode in no group: -inf / 0 weigh nothing).
+        po = torch.zeros((nd, H, z1 + z2, D), dtype=torch.float32, device=q.device)
+        pm = torch.full((nd, H, z1 + z2), float("-inf"), dtype=torch.float32, device=q.device)
+        pl = torch.zeros((nd, H, z1 + z2), dtype=torch.float32, device=q.device)
+        po[:, :, z1:] = po2
+        pm[:, :, z1:] = pm2
+        pl[:, :, z1:] = pl2
+        rows, index = cascade.valid_rows, cascade.valid_index
+        po[:, :, :z1].index_copy_(0, rows, po1.index_select(0, index))
+        pm[:, :, :z1].index_copy_(0, rows, pm1.index_select(0, index))
+        pl[:, :, :z1].index_copy_(0, rows, pl1.index_select(0, index))
+        out[:nd] = ops.merge_partials(po, pm, pl, out.dtype)
 
     def _dequantized_contexts(self, dtype, key_cache, value_cache, md: CudaAttentionMetadata, stream, scales):
         """An FP8 cache's prefill contexts for prefill_mma / prefill_fma, which read K/V of the

@@ -831,14 +831,17 @@ __device__ __forceinline__ void paged_decode_body(
     const int start = (window > 0) ? max(0, ctx - window) : 0;
     const int n = ctx - start;
     int active;
-    const int per = decode_split_tokens(n, Z, min_split, &active);
+    // min_split < 0 (cascade decode, ops.paged_decode_partials): |min_split| tokens, and the
+    // partials (unnormalised output, max, sum) are written even for a single split.
+    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
     if (split >= active) {  // no tokens here: decode_reduce merges only the active splits
         pdl_wait();
-        if (split == 0)  // an empty context: zeros (decode_reduce skips it as a single split)
+        if (split == 0 && min_split > 0)  // an empty context: zeros (decode_reduce skips it as a single
+            // split); partials mode leaves the caller's initial (-inf, 0, 0) partials
             decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
         return;
     }
-    const bool direct = (active == 1);  // the only split: the normalised output, no partials
+    const bool direct = active == 1 && min_split > 0;  // the only split: the normalised output, no partials
     const int r0 = start + split * per;
     const int r1 = min(ctx, r0 + per);
 

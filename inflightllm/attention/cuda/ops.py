@@ -402,6 +402,57 @@ def paged_decode(
         _launch(red, (num_heads, num_decodes), head_dim, args, stream, device)
 
 
+def paged_decode_partials(query, key_cache, value_cache, block_tables, context_lens, num_decodes, num_splits,
+                          num_heads, num_kv_heads, head_dim, bs_shift, scale, stream, variant="v2",
+                          min_split=DECODE_MIN_SPLIT_TOKENS, kv_scales=None):
+    """paged_decode's flash-decoding kernel (v2 / v4) without its reduce: the partials of every
+    split, also when a context has one split. Returns (part_out [num_decodes, num_heads, Z, D]
+    float32, unnormalised, v_scale applied; part_m [.., Z] running max in log2 units; part_l
+    [.., Z] sum of weights). A split with no tokens (or an empty context) keeps (0, -inf, 0),
+    which a merge weighs as nothing. Cascade decode (backend.CudaPagedAttention) merges a
+    group's shared-prefix partials with each sequence's own (suffix) partials. No window."""
+    assert variant in ("v2", "v4") and 1 <= num_splits <= MAX_SPLITS
+    group = num_heads // num_kv_heads
+    maxg, per_kv = decode_group_split(group)
+    scale_log2 = scale * np.log2(np.e)
+    v_scale = 1.0
+    if kv_scales is None:
+        smem = decode_dynamic_smem(variant, maxg)
+        fn = dtype_module(query.dtype, head_dim, query.device.index).get(
+            decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
+    else:
+        smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
+        name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
+        fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
+        scale_log2 *= kv_scales[0]
+        v_scale = kv_scales[1]
+    device = query.device
+    part_out = torch.zeros((num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    part_m = torch.full((num_decodes, num_heads, num_splits), float("-inf"), dtype=torch.float32, device=device)
+    part_l = torch.zeros((num_decodes, num_heads, num_splits), dtype=torch.float32, device=device)
+    args = (
+        _p(query), _i64(query.stride(0)), _i64(query.stride(1)), _p(key_cache), _p(value_cache),
+        _p(block_tables), _i32(block_tables.stride(0)), _p(context_lens),
+        _p(part_out),  # `out`: never written in partials mode
+        _p(part_out), _p(part_m), _p(part_l),
+        _i32(num_heads), _i32(num_kv_heads), _i32(group), _i32(per_kv), _i32(bs_shift), _i32(0),
+        np.float32(scale_log2), _i32(-int(min_split)), np.float32(v_scale),
+    )
+    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device.index, smem)
+    return part_out, part_m, part_l
+
+
+def merge_partials(part_out, part_m, part_l, dtype):
+    """[n, H, Z, D], [n, H, Z], [n, H, Z] partials (paged_decode_partials' convention) ->
+    the attention output [n, H, D] in `dtype`, as decode_reduce merges them."""
+    m_max = part_m.amax(dim=-1, keepdim=True)
+    m_use = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
+    weight = torch.where(part_l > 0, torch.exp2(part_m - m_use), torch.zeros_like(part_m))
+    total = (weight * part_l).sum(dim=-1, keepdim=True)
+    merged = (weight.unsqueeze(-1) * part_out).sum(dim=-2)
+    return torch.where(total > 0, merged / total.clamp_min(1e-30), torch.zeros_like(merged)).to(dtype)
+
+
 def prefill(
     kind,
     query,
