@@ -279,8 +279,8 @@ class Engine:
         # schedule (scheduler + step description), launch (the runner queues the step),
         # wait (the previous step's tokens: GPU time not hidden by the host work), emit.
         # beam: the beam steps (part of emit; recorded in both loops). Structured output:
-        # masks (the constrained rows' masks: fill, gather and upload after the launch,
-        # `_sample_guided`; or, when the runner takes them in the step, filled while the
+        # masks (the constrained rows' masks: fill, gather, upload and the sampling's launch
+        # after the step's launch, `_sample_guided`; or, when the runner takes them in the step, filled while the
         # step is described, part of schedule) and advance (the emitted tokens into the matchers and
         # their next masks filled in one batch, `_advance_grammars`, part of emit).
         self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "beam": 0.0,
