@@ -186,10 +186,10 @@ def test_gather_masks_equals_np_stack():
 
 def test_gather_after_a_batched_fill_equals_np_stack(smollm2_tokenizer):
     xgr = pytest.importorskip("xgrammar")
+    import json
+
     from inflightllm.guided.matcher import fill_masks
     from tests.guided_cases import SCHEMAS
-
-    import json
 
     vocab = 49152
     info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=vocab, stop_token_ids=[2])
