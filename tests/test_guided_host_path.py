@@ -175,6 +175,7 @@ def test_gather_masks_equals_np_stack():
         [1, 3, 4],  # rows of one batch array into consecutive targets
         [0, None, 6, 2, 7, 5, None, 1],  # batch arrays interleaved, ended rows, an own row
         [4, 3, 2, 1, 0],
+        [0, 2, 1, 3, 4],  # the whole batch array, its ends in place, the middle not
     ]
     for order in orders:
         chosen = [None if i is None else states[i] for i in order]

@@ -127,7 +127,7 @@ def gather_masks(states: list[GuidedState | None], out: np.ndarray | None = None
     for rows, targets, sources in groups.values():
         first, count = targets[0], len(targets)
         if targets[-1] - first == count - 1:  # consecutive targets: into the slice, one copy
-            if count == rows.shape[0] and sources[0] == 0 and sources[-1] == count - 1:
+            if count == rows.shape[0] and sources == list(range(count)):
                 out[first:first + count] = rows  # the whole batch array, in order
             else:
                 # mode 'clip' (the rows are valid): 'raise' would copy through a buffer first
