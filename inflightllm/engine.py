@@ -278,8 +278,13 @@ class Engine:
         # Host seconds of the asynchronous step loop by part (perf/bench_gpu.py reads them):
         # schedule (scheduler + step description), launch (the runner queues the step),
         # wait (the previous step's tokens: GPU time not hidden by the host work), emit.
-        # beam: the beam steps (part of emit; recorded in both loops).
-        self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "beam": 0.0, "steps": 0}
+        # beam: the beam steps (part of emit; recorded in both loops). Structured output:
+        # masks (the constrained rows' masks: fill, gather, upload and the sampling's launch
+        # after the step's launch, `_sample_guided`; or, when the runner takes them in the step, filled while the
+        # step is described, part of schedule) and advance (the emitted tokens into the matchers and
+        # their next masks filled in one batch, `_advance_grammars`, part of emit).
+        self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "beam": 0.0,
+                             "masks": 0.0, "advance": 0.0, "steps": 0}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
         # Structured output: the grammar compiler (made with the first constrained request)
@@ -1071,7 +1076,9 @@ class Engine:
         if len(states) > 1:
             from inflightllm.guided.matcher import advance_batch
 
+            start = time.perf_counter()
             advance_batch(states, tokens, self._grammars.batch_matcher())
+            self.host_seconds["advance"] += time.perf_counter() - start
 
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:
         """Move a constrained request's grammar over its new token. ERROR: the grammar
@@ -1097,35 +1104,38 @@ class Engine:
         if rows:
             step.guided_request_ids = [request.request_id for request in rows]
             if not self._defer_masks:  # else filled after launch (`_sample_guided`)
+                start = time.perf_counter()
                 step.guided_bitmask = self._bitmask(rows)
+                self.host_seconds["masks"] += time.perf_counter() - start  # here part of schedule
 
-    def _bitmask(self, requests: list[Request]) -> np.ndarray:
+    def _bitmask(self, requests: list[Request], out: np.ndarray | None = None) -> np.ndarray:
         """[len(requests), words] int32: each request's allowed next tokens; all allowed for
-        one that ended meanwhile (its token is dropped)."""
+        one that ended meanwhile (its token is dropped). `out`: where to write the rows (the
+        GPU runner's pinned upload buffer), else a new array."""
+        from inflightllm.guided.matcher import fill_masks, gather_masks
+
         batch = self.grammar_compiler().batch_matcher() if len(requests) > 1 else None
         if batch is not None:  # first masks of newly admitted requests, and any not filled yet
-            from inflightllm.guided.matcher import fill_masks
-
             fill_masks([r.guided for r in requests if not r.is_finished], batch)
-        masks = []
-        for request in requests:
-            guided = request.guided
-            if request.is_finished or guided.is_terminated:
-                masks.append(np.full(guided.num_words, -1, np.int32))
-            else:
-                masks.append(guided.next_mask())
-        return np.stack(masks)
+        return gather_masks([None if request.is_finished or request.guided.is_terminated else request.guided
+                             for request in requests], out)
 
     def _sample_guided(self, handle, requests: list[Request], outputs: list[RequestOutput]) -> None:
         """The launched step's constrained rows get their masks (their matchers have just
-        taken the previous step's tokens) and the runner samples the step."""
+        taken the previous step's tokens) and the runner samples the step. A handle that
+        offers `mask_buffer(rows, words)` (the GPU runner: pinned memory it uploads from)
+        gets the rows gathered straight into it: one host copy, no per-step allocation."""
+        start = time.perf_counter()
         try:
-            handle.sample_guided(self._bitmask(requests))
+            mask_buffer = getattr(handle, "mask_buffer", None)
+            out = mask_buffer(len(requests), requests[0].guided.num_words) if mask_buffer is not None else None
+            handle.sample_guided(self._bitmask(requests, out))
         except Exception as error:  # its requests fail alone, as a failed step's do
             logger.exception("guided sampling failed; failing the %d constrained requests", len(requests))
             for request in requests:
                 if not request.is_finished:
                     self._fail(request, f"engine step failed: {type(error).__name__}: {error}", outputs)
+        self.host_seconds["masks"] += time.perf_counter() - start
 
     def _describe(self, scheduled: SchedulerOutput) -> StepDescription:
         """The step for the runner: requests it does not hold are sent whole, the others

@@ -130,6 +130,17 @@ def drive(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]],
             "watched_tokens": watched_tokens}
 
 
+def host_ms_per_step(before: dict, after: dict, steps: int) -> dict:
+    """The engine's host ms per step by part over a run of `steps` steps (`Engine.host_seconds`
+    deltas; schedule, launch, wait and emit are timed under asynchronous scheduling only):
+    where a constrained step's host time goes. `masks` (the launched
+    step's masks: fill, gather, upload) and `advance` (the tokens into the matchers, next
+    masks filled; part of `emit`) run while the GPU computes the step; `wait` is the GPU
+    time the host work did not hide."""
+    return {key: round((value - before.get(key, 0.0)) * 1e3 / max(1, steps), 3)
+            for key, value in after.items() if key != "steps"} | {"steps": steps}
+
+
 def throughput_runs(engine: Engine, args, spec) -> dict:
     """none / half / all, the constrained runs once per `--mask-threads` value (the first
     value's are `half` and `all`; the others `half@N`, `all@N`)."""
@@ -148,14 +159,17 @@ def throughput_runs(engine: Engine, args, spec) -> dict:
         prompts = prompts_of(args.requests, args.isl, vocab, seed=11)  # the same prompts each run
         requests = [(f"{name}-{i}", prompt, guided if constrained_every and i % constrained_every == 0 else free)
                     for i, prompt in enumerate(prompts)]
+        host_before = dict(engine.host_seconds)
         result = drive(engine, requests, osl=args.osl)
         runs[name] = {"constrained": sum(r[2] is guided for r in requests), "seconds": round(result["seconds"], 3),
-                      "output_tok_s": round(result["output_tok_s"], 1), "steps": result["steps"]}
+                      "output_tok_s": round(result["output_tok_s"], 1), "steps": result["steps"],
+                      "host_ms_per_step": host_ms_per_step(host_before, engine.host_seconds, result["steps"])}
         if threads is not None:
             runs[name]["mask_threads"] = threads
         print(f"{name:8s}: {runs[name]['constrained']:5d} of {args.requests} constrained: "
               f"{runs[name]['output_tok_s']:10.1f} output tok/s ({result['seconds']:.2f} s, {result['steps']} steps"
               + (f", mask_threads {threads})" if threads is not None else ")"), flush=True)
+        print(f"          host ms per step: {runs[name]['host_ms_per_step']}", flush=True)
     for name in runs:
         goal = GOALS.get(name.split("@")[0])
         if goal is None:

@@ -28,6 +28,8 @@ def test_bench_guided_on_a_tiny_model(tmp_path, capsys):
     assert (runs["all"]["mask_threads"], runs["all@2"]["mask_threads"]) == (0, 2)
     assert "ratio_to_none" in runs["all@2"] and report["mask_threads"] == [0, 2]
     assert all(runs[name]["output_tok_s"] > 0 for name in runs)
+    host = runs["all@2"]["host_ms_per_step"]  # the engine's host time per step, by part
+    assert host["steps"] > 0 and host["masks"] > 0 and host["advance"] > 0 and runs["none"]["host_ms_per_step"]["masks"] == 0
     assert runs["half"]["ratio_to_none"] == pytest.approx(runs["half"]["output_tok_s"] / runs["none"]["output_tok_s"],
                                                           abs=1e-3)
     compile_report = report["compile"]

@@ -27,7 +27,7 @@ import torch
 from inflightllm.config import EngineConfig
 from inflightllm.gpu import ops
 from inflightllm.gpu.sampler import GpuSampler
-from inflightllm.gpu.staging import PinnedStaging
+from inflightllm.gpu.staging import ALIGN, PinnedStaging
 from inflightllm.guided.matcher import apply_step_bitmask
 from inflightllm.host_kv_tier import num_host_blocks
 from inflightllm.kv_pressure import measure_host_link
@@ -123,6 +123,9 @@ class GpuModelRunner:
         self.cascade_steps = 0
         self.cascade_saved_tokens = 0  # K/V token reads saved, summed over steps
         self.staging = PinnedStaging(self.device)
+        # Guided masks' own pinned ring (`_mask_staging`), made at the first constrained step:
+        # 1,024 rows of a 128k vocabulary are 16.4 MB, past `staging`'s 16 MiB buffers.
+        self._masks: PinnedStaging | None = None
         self.sampler = GpuSampler(self.device, self.max_rows, sampler_seed, upload=self.staging.upload)
         if num_blocks is None:
             num_blocks = self._size_kv_cache(new_attention)
@@ -450,6 +453,8 @@ class GpuModelRunner:
         if not step.scheduled:
             return LaunchedStep(self, [], None, None)
         self.staging.begin_step()
+        if self._masks is not None:
+            self._masks.begin_step()
         ids = [request_id for request_id, _ in step.scheduled]
         rows = np.fromiter((self.rows[request_id] for request_id in ids), np.int64, len(ids))
         query_lens = np.fromiter((count for _, count in step.scheduled), np.int64, len(ids))
@@ -500,8 +505,18 @@ class GpuModelRunner:
             # The engine fills the constrained rows' masks while the forward runs (from the
             # previous step's tokens, which it is reading meanwhile), then samples.
             return DeferredLaunchedStep(
-                lambda bitmask: self._sample_step(step, logits, sample_rows, request_ids, bitmask))
+                lambda bitmask: self._sample_step(step, logits, sample_rows, request_ids, bitmask),
+                lambda num_rows, num_words: self._mask_staging(num_words).host_array((num_rows, num_words), np.int32))
         return self._sample_step(step, logits, sample_rows, request_ids, step.guided_bitmask)
+
+    def _mask_staging(self, num_words: int) -> PinnedStaging:
+        """The guided masks' pinned ring: room for a mask row per batch row (plus the two
+        row-index arrays `apply_step_bitmask` may upload), `PinnedStaging`'s depth, turned
+        with the step staging's, so no step's masks fall back to a fresh pinned copy."""
+        if self._masks is None:
+            rows = self.max_rows
+            self._masks = PinnedStaging(self.device, rows * num_words * 4 + 2 * rows * 8 + 3 * ALIGN)
+        return self._masks
 
     @torch.inference_mode()
     def _sample_step(self, step: StepDescription, logits: torch.Tensor, sample_rows: np.ndarray,
@@ -510,7 +525,8 @@ class GpuModelRunner:
         states = [self.states[request_id] for request_id in request_ids]
         if step.guided_request_ids:  # structured output: the constrained rows' masks, applied
             # to the logits (after any graph replay) in one batched call, no host sync
-            apply_step_bitmask(logits, step.guided_request_ids, bitmask, request_ids, self.staging.upload)
+            upload = self._mask_staging(np.shape(bitmask)[1]).upload
+            apply_step_bitmask(logits, step.guided_request_ids, bitmask, request_ids, upload)
         positions = self.num_tokens[sample_rows]  # where each new token goes
         sampled = self.sampler.sample(logits, sample_rows, states, positions - self.prompt_lens[sample_rows])
         self.last_sampled.index_copy_(0, self.staging.upload(sample_rows), sampled.token_ids)
@@ -525,10 +541,13 @@ class GpuModelRunner:
 
 class DeferredLaunchedStep:
     """A step whose forward is queued and whose sampling waits for the constrained rows'
-    masks: `sample_guided(bitmask)` queues it, then `result()` as LaunchedStep's."""
+    masks: `sample_guided(bitmask)` queues it, then `result()` as LaunchedStep's.
+    `mask_buffer(rows, words)`: pinned memory for the engine to gather the masks into
+    (None when it has no room), which `sample_guided` then uploads without a copy."""
 
-    def __init__(self, sample):
+    def __init__(self, sample, mask_buffer):
         self._sample = sample
+        self.mask_buffer = mask_buffer
         self._launched: LaunchedStep | None = None
 
     def sample_guided(self, bitmask) -> None:

@@ -23,6 +23,11 @@ class GuidedState:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._mask = torch.zeros(1, self.num_words, dtype=torch.int32)  # xgrammar fills a torch row
+        # `_mask` is row `_row` of the 2-D array `_rows` (its own one-row array, or the batch
+        # array `fill_masks` filled): `gather_masks` copies a step's rows of one batch array
+        # in one vectorised copy instead of stacking them one by one.
+        self._rows = self._mask.numpy()
+        self._row = 0
         self._filled = False
         self._taken: tuple[int, bool] | None = None  # (token, allowed) accepted by `advance_batch`
 
@@ -45,14 +50,27 @@ class GuidedState:
         if not self._filled:
             self.matcher.fill_next_token_bitmask(self._mask, 0)
             self._filled = True
-        return self._mask.numpy()[0]
+        return self._rows[self._row]  # `_mask`'s row (a NumPy view: cheaper than Tensor.numpy())
 
     def allows_only(self, token_ids) -> bool:
         """Whether every allowed next token is one of `token_ids` (the grammar is done)."""
         # On the packed words (vocab/32 of them): this runs for every constrained row after
         # every token, so no unpacking to one byte per token.
-        words = self.next_mask().view(np.uint32).copy()
-        tail = self.vocab_size % 32
+        mask = self.next_mask()
+        vocab = self.vocab_size
+        # The common case first: none of `token_ids` is allowed, so the answer is whether no
+        # token at all is (no copy, no masking; count_nonzero is numpy's fastest scan).
+        # Python ints: a word's sign bit is bit 31.
+        for token in token_ids:
+            if 0 <= token < vocab and (int(mask[token >> 5]) >> (token & 31)) & 1:
+                break
+        else:
+            tail = vocab & 31
+            if not tail:
+                return not np.count_nonzero(mask)
+            return not (np.count_nonzero(mask[:-1]) or int(mask[-1]) & ((1 << tail) - 1))
+        tail = vocab % 32
+        words = mask.view(np.uint32).copy()
         if tail:
             words[-1] &= np.uint32((1 << tail) - 1)  # bits past the vocabulary are not tokens
         for token in token_ids:
@@ -72,11 +90,53 @@ def fill_masks(states: list[GuidedState], batch) -> None:
     if len(todo) == 1:
         todo[0].next_mask()
         return
-    bitmask = torch.zeros(len(todo), todo[0].num_words, dtype=torch.int32)
+    # Not zeroed first: xgrammar writes every word of each row it fills (checked against a
+    # pre-filled sentinel on 60 steps of 64 JSON-schema rows).
+    bitmask = torch.empty(len(todo), todo[0].num_words, dtype=torch.int32)
     batch.batch_fill_next_token_bitmask([state.matcher for state in todo], bitmask)
+    rows = bitmask.numpy()
     for row, state in enumerate(todo):
         state._mask = bitmask[row:row + 1]
+        state._rows = rows
+        state._row = row
         state._filled = True
+
+
+def gather_masks(states: list[GuidedState | None], out: np.ndarray | None = None) -> np.ndarray:
+    """[len(states), words] int32: each state's next-token mask, all tokens allowed for a
+    None (a row whose request ended meanwhile). The rows of one batch array (`fill_masks`)
+    go in one vectorised copy (np.take, straight into `out` when they fill a slice of it),
+    not one by one: 1,024 rows of 16 KB stacked one at a time cost milliseconds a step.
+    `out`: where to write (e.g. the GPU runner's pinned upload buffer); made when None."""
+    if out is None:
+        words = next((state.num_words for state in states if state is not None), 0)
+        out = np.empty((len(states), words), np.int32)
+    groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
+    ended: list[int] = []
+    for index, state in enumerate(states):
+        if state is None:
+            ended.append(index)
+            continue
+        if not state._filled:
+            state.next_mask()
+        group = groups.get(id(state._rows))
+        if group is None:
+            group = groups[id(state._rows)] = (state._rows, [], [])
+        group[1].append(index)
+        group[2].append(state._row)
+    for rows, targets, sources in groups.values():
+        first, count = targets[0], len(targets)
+        if targets[-1] - first == count - 1:  # consecutive targets: into the slice, one copy
+            if count == rows.shape[0] and sources == list(range(count)):
+                out[first:first + count] = rows  # the whole batch array, in order
+            else:
+                # mode 'clip' (the rows are valid): 'raise' would copy through a buffer first
+                np.take(rows, sources, axis=0, out=out[first:first + count], mode="clip")
+        else:
+            out[targets] = rows[sources]
+    if ended:
+        out[ended] = -1
+    return out
 
 
 def advance_batch(states: list[GuidedState], tokens: list[int], batch) -> None:
@@ -91,15 +151,28 @@ def advance_batch(states: list[GuidedState], tokens: list[int], batch) -> None:
     fill_masks([state for state, ok in zip(states, allowed) if ok], batch)
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_DISALLOWED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def disallowed_bits(bitmask: torch.Tensor) -> torch.Tensor:
+    """[k, num_words] int32 -> [k, num_words * 32] bool, True where a token is NOT allowed
+    (bit i of word w is token 32 * w + i). The words are read as little-endian bytes and
+    each byte expands through a [256, 8] table: the only intermediate is one int32 index
+    per byte, where shifting every word by 0..31 made a [k, words, 32] int32 (525 MB at
+    1,024 rows of a 128k vocabulary)."""
+    table = _DISALLOWED_BITS.get(bitmask.device)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        table = ((byte >> torch.arange(8, dtype=torch.int32)) & 1) == 0  # [256, 8]: bit i clear
+        table = _DISALLOWED_BITS[bitmask.device] = table.to(bitmask.device)
+    k = bitmask.shape[0]
+    as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).int()  # little-endian, as x86 and CUDA
+    return table.index_select(0, as_bytes).reshape(k, -1)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[k, num_words] int32 -> [k, vocab] bool allowed; ids past the mask's words are not."""
-    shifts = _BIT_SHIFTS.get(bitmask.device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    allowed = ~disallowed_bits(bitmask)
     if allowed.shape[1] >= vocab:
         return allowed[:, :vocab]
     padded = torch.zeros(bitmask.shape[0], vocab, dtype=torch.bool, device=bitmask.device)
@@ -108,15 +181,22 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @torch.inference_mode()  # the model's logits are inference tensors: in-place edits need this mode
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """-inf on the logits of disallowed tokens of the constrained rows, in place.
 
     logits [m, vocab] (a step's sampling rows); bitmask [k, num_words] int32 on the logits'
-    device; rows [k] int64 the logits rows the masks belong to. One gather, one masked
-    fill and one scatter, whatever k is."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    selected = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, rows, selected)
+    device; rows [k] int64 the logits rows the masks belong to, or None when they are the
+    first k rows in order (then one masked fill in place, no gather and scatter)."""
+    vocab = logits.shape[1]
+    k = bitmask.shape[0]
+    disallowed = disallowed_bits(bitmask)
+    covered = min(vocab, disallowed.shape[1])
+    target = logits[:k] if rows is None else logits.index_select(0, rows)
+    target[:, :covered].masked_fill_(disallowed[:, :covered], float("-inf"))
+    if covered < vocab:  # ids past the mask's words are not allowed
+        target[:, covered:] = float("-inf")
+    if rows is not None:
+        logits.index_copy_(0, rows, target)
 
 
 def apply_step_bitmask(logits: torch.Tensor, masked_ids: list[str], bitmask, request_ids: list[str],
@@ -127,14 +207,25 @@ def apply_step_bitmask(logits: torch.Tensor, masked_ids: list[str], bitmask, req
     the logits' device."""
     if not masked_ids:
         return
-    index = {request_id: row for row, request_id in enumerate(request_ids)}
-    pairs = [(k, index[rid]) for k, rid in enumerate(masked_ids) if rid in index]
-    if not pairs:
-        return
-    mask_rows = np.fromiter((k for k, _ in pairs), np.int64, len(pairs))
-    logit_rows = np.fromiter((row for _, row in pairs), np.int64, len(pairs))
-    bitmask = np.ascontiguousarray(np.asarray(bitmask, np.int32)[mask_rows])
+    if masked_ids == request_ids[: len(masked_ids)]:  # the common case: the first rows, in order
+        mask_rows, logit_rows = None, None
+    else:
+        index = {request_id: row for row, request_id in enumerate(request_ids)}
+        pairs = [(k, index[rid]) for k, rid in enumerate(masked_ids) if rid in index]
+        if not pairs:
+            return
+        mask_rows = np.fromiter((k for k, _ in pairs), np.int64, len(pairs))
+        logit_rows = np.fromiter((row for _, row in pairs), np.int64, len(pairs))
+        if len(pairs) == len(masked_ids):
+            mask_rows = None  # every mask row, in order: the bitmask as it is
+        if np.array_equal(logit_rows, np.arange(len(pairs))):
+            logit_rows = None  # the first logits rows, in order: masked in place
     if upload is None:
         def upload(array):
             return torch.from_numpy(array).to(logits.device, non_blocking=True)
-    apply_token_bitmask(logits, upload(bitmask), upload(logit_rows))
+    # Uploaded whole (on the GPU runner it is already in pinned memory, see
+    # `PinnedStaging.host_array`): a missing row is dropped on the device, not by a host copy.
+    device_mask = upload(np.ascontiguousarray(bitmask, np.int32))
+    if mask_rows is not None:
+        device_mask = device_mask.index_select(0, upload(mask_rows))
+    apply_token_bitmask(logits, device_mask, None if logit_rows is None else upload(logit_rows))
