@@ -131,3 +131,14 @@ def test_cascade_mode_is_checked(monkeypatch, bad):
     monkeypatch.setenv("INFLIGHTLLM_CASCADE_DECODE", bad)
     with pytest.raises(ValueError, match="INFLIGHTLLM_CASCADE_DECODE.*allowed: auto, always, off"):
         cascade_mode()
+
+
+def test_auto_skips_short_prefixes():
+    """256 x beam_width 4 over 128-token prompts: enough bytes saved in all, but each group's
+    prefix is short (measured 2.2x slower with cascade on an H200): auto leaves it."""
+    bs = 16
+    tables = [[r * 100 + b for b in range(8)] + [10**6 + 4 * r + i] for r in range(256) for i in range(4)]
+    context = np.full(len(tables), 128 + 5)
+    per_token = 128 << 10
+    assert plan_cascade(tables_of(tables, 9), context, bs, "auto", per_token) is None
+    assert plan_cascade(tables_of(tables, 9), context, bs, "always", per_token) is not None

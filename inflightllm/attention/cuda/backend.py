@@ -118,6 +118,9 @@ CASCADE_MODES = ("auto", "always", "off")
 # launches cost against a CUDA graph's replay) and this fraction of all its decode reads.
 CASCADE_MIN_SAVED_BYTES = 8 << 30
 CASCADE_MIN_SAVED_FRACTION = 0.25
+# auto: a group's prefix counts from this many tokens (a short prompt's beams gain less than
+# the eager step costs: 256 x beam_width 4 over 128-token prompts ran 2.2x slower with it).
+CASCADE_MIN_PREFIX_TOKENS = 512
 # Sequences of one cascade group at most: a larger set sharing a prefix is cut into groups of
 # this many (each reads the prefix once); the launch pads every group to the widest.
 CASCADE_MAX_WIDTH = 16
@@ -151,7 +154,7 @@ class CascadePlan:
         """Device tensors through `upload` (host array -> device tensor)."""
         rows = self.member_rows
         return CascadeDecode(
-            num_groups=self.num_groups, width=self.width,
+            num_groups=self.num_groups, width=self.width, max_prefix_len=int(self.prefix_lens.max()),
             member_rows=upload(rows), valid_index=upload(self.valid_index),
             valid_rows=upload(rows[self.valid_index]),
             prefix_tables=upload(self.prefix_tables), prefix_lens=upload(self.prefix_lens),
@@ -165,6 +168,7 @@ class CascadeDecode:
 
     num_groups: int
     width: int
+    max_prefix_len: int  # host int: the longest group prefix (tokens)
     member_rows: torch.Tensor
     valid_index: torch.Tensor
     valid_rows: torch.Tensor
@@ -200,7 +204,7 @@ def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, 
             continue
         same = (tables[members, :limit] == tables[members[0], :limit]).all(axis=0)
         blocks = limit if same.all() else int(np.argmin(same))
-        if blocks <= 0:
+        if blocks <= 0 or (mode == "auto" and blocks * block_size < CASCADE_MIN_PREFIX_TOKENS):
             continue
         shared[members] = blocks
         for start in range(0, len(members), max_width):
@@ -661,6 +665,36 @@ class CudaPagedAttention(AttentionBackend):
         slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
         return max(1, min(slots // base, ops.MAX_SPLITS, -(-self.max_model_len // 128)))
 
+    def _cascade_prefix_flash(self, members, key_cache, value_cache, cascade: CascadeDecode, stream, scales):
+        """The groups' shared prefixes with torch's flash varlen op: each group's prefix K/V
+        gathered into packed rows (dequantized from an FP8 cache), its width member queries as
+        the query tokens of one non-causal sequence. Returns one split's partials per member:
+        (output [G * n, H, 1, D] float32, log-sum-exp in log2 units, 1)."""
+        G, n = cascade.num_groups, cascade.width
+        kvh, D, H = self.num_kv_heads, self.head_dim, self.num_heads
+        device = members.device
+        longest = cascade.max_prefix_len
+        k = torch.empty((G * longest, kvh, D), dtype=members.dtype, device=device)
+        v = torch.empty_like(k)
+        cu_k = torch.zeros(G + 1, dtype=torch.int32, device=device)
+        cu_k[1:] = torch.cumsum(cascade.prefix_lens, 0, dtype=torch.int32)
+        ops.gather_kv(key_cache, value_cache, k, v, cascade.prefix_tables, cascade.prefix_lens, cu_k, 0, G,
+                      longest, self._bs_shift, stream, scales)
+        cu_q = torch.arange(0, (G + 1) * n, n, dtype=torch.int32, device=device)
+        result = torch.ops.aten._flash_attention_forward(
+            members, k, v, cu_q, cu_k, n, longest, 0.0, False, False, scale=self.scale)
+        output, lse = result[0], result[1]
+        total = G * n
+        if tuple(lse.shape) == (H, total):
+            lse = lse.t()
+        elif tuple(lse.shape) == (G, H, n):
+            lse = lse.permute(0, 2, 1).reshape(total, H)
+        elif tuple(lse.shape) != (total, H):
+            raise RuntimeError(f"flash attention's log-sum-exp has shape {tuple(lse.shape)}")
+        log2e = 1.4426950408889634
+        pm = (lse.float() * log2e).unsqueeze(-1)  # [total, H, 1]
+        return output.float().unsqueeze(2), pm, torch.ones_like(pm)
+
     def _cascade_decode(self, query, key_cache, value_cache, cascade: CascadeDecode, nd: int, out, stream, scales):
         """Decode attention of decodes that share prefixes (plan_cascade): each group's width
         sequences attend their shared prefix in one pass, as one sequence of width x
@@ -671,17 +705,28 @@ class CudaPagedAttention(AttentionBackend):
         H, kvh, D = self.num_heads, self.num_kv_heads, self.head_dim
         grp = H // kvh
         q = query[:nd]
-        # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
-        grouped = q.index_select(0, cascade.member_rows).view(G, n, kvh, grp, D).transpose(1, 2)
-        grouped = grouped.reshape(G, kvh * n * grp, D)
-        z1 = self._cascade_splits(G, n * grp)
-        variant = "v4" if z1 == 1 else "v2"
-        po1, pm1, pl1 = ops.paged_decode_partials(
-            grouped, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, G, z1, n * H, kvh, D,
-            self._bs_shift, self.scale, stream, variant, self.decode_min_split, scales)
-        po1 = po1.view(G, kvh, n, grp, z1, D).transpose(1, 2).reshape(G * n, H, z1, D)
-        pm1 = pm1.view(G, kvh, n, grp, z1).transpose(1, 2).reshape(G * n, H, z1)
-        pl1 = pl1.view(G, kvh, n, grp, z1).transpose(1, 2).reshape(G * n, H, z1)
+        members = q.index_select(0, cascade.member_rows)  # [G * n, H, D]
+        prefix = None
+        if q.dtype != torch.float32 and self._flash_error is None:
+            try:  # tensor cores: the decode kernel's CUDA-core dot products bound this pass
+                prefix = self._cascade_prefix_flash(members, key_cache, value_cache, cascade, stream, scales)
+            except (RuntimeError, TypeError) as error:  # op missing / rejected: the decode kernel
+                self._flash_error = f"{type(error).__name__}: {error}"
+                log.warning("flash attention unavailable for cascade decode, using the decode kernel: %s",
+                            self._flash_error)
+        if prefix is None:
+            # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
+            grouped = members.view(G, n, kvh, grp, D).transpose(1, 2).reshape(G, kvh * n * grp, D)
+            z = self._cascade_splits(G, n * grp)
+            po1, pm1, pl1 = ops.paged_decode_partials(
+                grouped, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, G, z, n * H, kvh, D,
+                self._bs_shift, self.scale, stream, "v4" if z == 1 else "v2", self.decode_min_split, scales)
+            po1 = po1.view(G, kvh, n, grp, z, D).transpose(1, 2).reshape(G * n, H, z, D)
+            pm1 = pm1.view(G, kvh, n, grp, z).transpose(1, 2).reshape(G * n, H, z)
+            pl1 = pl1.view(G, kvh, n, grp, z).transpose(1, 2).reshape(G * n, H, z)
+            prefix = po1, pm1, pl1
+        po1, pm1, pl1 = prefix
+        z1 = pm1.shape[-1]
         z2 = self._cascade_splits(nd, grp)
         variant = "v4" if z2 == 1 else "v2"
         po2, pm2, pl2 = ops.paged_decode_partials(
