@@ -155,14 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts_of(prompts, long_prompt, vocab, 4)
     sampled = SamplingParams(max_tokens=length, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
     runner = getattr(engine.runner, "runner", engine.runner)  # the GPU runner (TimedRunner wraps the CPU's)
+    has_cascade = hasattr(runner, "cascade_mode")
+    mode = getattr(runner, "cascade_mode", None)
+    if has_cascade:  # cascade decode (INFLIGHTLLM_CASCADE_DECODE) as auto decides, then off
+        runner.cascade_mode = "auto"
     cascade_before = getattr(runner, "cascade_steps", 0)
     groups = drive(engine, [(p, sampled, GroupParams(n=8)) for p in texts], "n8")
     groups["cascade_steps"] = getattr(runner, "cascade_steps", 0) - cascade_before
     plain = None
-    if hasattr(runner, "cascade_mode") and runner.cascade_mode != "off":
+    if has_cascade:
         # The same workload (other prompts: the prefix cache holds the first ones) with cascade
         # decode off: each sequence reads the shared prompt itself.
-        mode, runner.cascade_mode = runner.cascade_mode, "off"
+        runner.cascade_mode = "off"
         plain = drive(engine, [(p, sampled, GroupParams(n=8)) for p in prompts_of(prompts, long_prompt, vocab, 5)],
                       "n8-no-cascade")
         runner.cascade_mode = mode

@@ -110,9 +110,13 @@ class PinnedHostTensor:
             self.registered = False
 
 
-# Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = auto (when it saves enough
-# reads, below), always (whenever decodes share a block: tests), off.
+# Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = off (the default), auto (when
+# it saves enough reads, below), always (whenever decodes share a block: tests). Off by
+# default because it measured slower on an H200 (n = 8 over 64 prompts of 2,048 tokens:
+# 5,150 output tok/s with it against 5,975 without; docs/SEQUENCE-GROUPS.md): reading the
+# prefix once does not pay while the decode is bound by its dot products, not its reads.
 CASCADE_MODES = ("auto", "always", "off")
+CASCADE_DEFAULT = "off"
 # auto: a step's shared prefixes must save at least this many bytes of K/V reads (all layers,
 # summed over the decodes: 8 GiB is ~2 ms of HBM on an H200, about what the eager step's
 # launches cost against a CUDA graph's replay) and this fraction of all its decode reads.
@@ -127,7 +131,7 @@ CASCADE_MAX_WIDTH = 16
 
 
 def cascade_mode() -> str:
-    mode = os.environ.get("INFLIGHTLLM_CASCADE_DECODE", "").strip() or "auto"
+    mode = os.environ.get("INFLIGHTLLM_CASCADE_DECODE", "").strip() or CASCADE_DEFAULT
     if mode not in CASCADE_MODES:
         raise ValueError(f"INFLIGHTLLM_CASCADE_DECODE={mode!r}; allowed: {', '.join(CASCADE_MODES)}")
     return mode
@@ -195,6 +199,8 @@ def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, 
         return None
     context_lens = np.asarray(context_lens, np.int64)
     full_blocks = (context_lens - 1) // block_size  # blocks before the one holding the new token
+    if mode == "auto" and int(full_blocks.max()) * block_size < CASCADE_MIN_PREFIX_TOKENS:
+        return None  # no prefix could be long enough (per step, before any per-group work)
     shared = np.zeros(len(context_lens), np.int64)
     groups: list[tuple[np.ndarray, int]] = []
     for value in values[counts >= 2]:
@@ -665,35 +671,20 @@ class CudaPagedAttention(AttentionBackend):
         slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
         return max(1, min(slots // base, ops.MAX_SPLITS, -(-self.max_model_len // 128)))
 
-    def _cascade_prefix_flash(self, members, key_cache, value_cache, cascade: CascadeDecode, stream, scales):
-        """The groups' shared prefixes with torch's flash varlen op: each group's prefix K/V
-        gathered into packed rows (dequantized from an FP8 cache), its width member queries as
-        the query tokens of one non-causal sequence. Returns one split's partials per member:
+    def _cascade_prefix_mma(self, members, key_cache, value_cache, cascade: CascadeDecode, stream):
+        """The groups' shared prefixes on tensor cores (ops.cascade_prefix_mma, a 16-bit cache):
+        each kv head's query heads of all a group's sequences are one tile of query rows over
+        the prefix read through the block table. Returns one split's partials per member:
         (output [G * n, H, 1, D] float32, log-sum-exp in log2 units, 1)."""
         G, n = cascade.num_groups, cascade.width
         kvh, D, H = self.num_kv_heads, self.head_dim, self.num_heads
-        device = members.device
-        longest = cascade.max_prefix_len
-        k = torch.empty((G * longest, kvh, D), dtype=members.dtype, device=device)
-        v = torch.empty_like(k)
-        cu_k = torch.zeros(G + 1, dtype=torch.int32, device=device)
-        cu_k[1:] = torch.cumsum(cascade.prefix_lens, 0, dtype=torch.int32)
-        ops.gather_kv(key_cache, value_cache, k, v, cascade.prefix_tables, cascade.prefix_lens, cu_k, 0, G,
-                      longest, self._bs_shift, stream, scales)
-        cu_q = torch.arange(0, (G + 1) * n, n, dtype=torch.int32, device=device)
-        result = torch.ops.aten._flash_attention_forward(
-            members, k, v, cu_q, cu_k, n, longest, 0.0, False, False, scale=self.scale)
-        output, lse = result[0], result[1]
-        total = G * n
-        if tuple(lse.shape) == (H, total):
-            lse = lse.t()
-        elif tuple(lse.shape) == (G, H, n):
-            lse = lse.permute(0, 2, 1).reshape(total, H)
-        elif tuple(lse.shape) != (total, H):
-            raise RuntimeError(f"flash attention's log-sum-exp has shape {tuple(lse.shape)}")
-        log2e = 1.4426950408889634
-        pm = (lse.float() * log2e).unsqueeze(-1)  # [total, H, 1]
-        return output.float().unsqueeze(2), pm, torch.ones_like(pm)
+        grp = H // kvh
+        packed = members.view(G, n, kvh, grp, D).permute(0, 2, 1, 3, 4).reshape(G, kvh, n * grp, D)
+        output, lse = ops.cascade_prefix_mma(packed, key_cache, value_cache, cascade.prefix_tables,
+                                             cascade.prefix_lens, self._bs_shift, self.scale, stream)
+        output = output.view(G, kvh, n, grp, D).permute(0, 2, 1, 3, 4).reshape(G * n, H, 1, D)
+        pm = lse.view(G, kvh, n, grp).permute(0, 2, 1, 3).reshape(G * n, H, 1)
+        return output, pm, torch.ones_like(pm)
 
     def _cascade_decode(self, query, key_cache, value_cache, cascade: CascadeDecode, nd: int, out, stream, scales):
         """Decode attention of decodes that share prefixes (plan_cascade): each group's width
@@ -706,15 +697,10 @@ class CudaPagedAttention(AttentionBackend):
         grp = H // kvh
         q = query[:nd]
         members = q.index_select(0, cascade.member_rows)  # [G * n, H, D]
-        prefix = None
-        if q.dtype != torch.float32 and self._flash_error is None:
-            try:  # tensor cores: the decode kernel's CUDA-core dot products bound this pass
-                prefix = self._cascade_prefix_flash(members, key_cache, value_cache, cascade, stream, scales)
-            except (RuntimeError, TypeError) as error:  # op missing / rejected: the decode kernel
-                self._flash_error = f"{type(error).__name__}: {error}"
-                log.warning("flash attention unavailable for cascade decode, using the decode kernel: %s",
-                            self._flash_error)
-        if prefix is None:
+        if q.dtype != torch.float32 and not self.fp8:
+            # tensor cores: the decode kernel's CUDA-core dot products bound this pass
+            prefix = self._cascade_prefix_mma(members, key_cache, value_cache, cascade, stream)
+        else:
             # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
             grouped = members.view(G, n, kvh, grp, D).transpose(1, 2).reshape(G, kvh * n * grp, D)
             z = self._cascade_splits(G, n * grp)

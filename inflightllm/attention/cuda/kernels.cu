@@ -1369,3 +1369,183 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             *reinterpret_cast<u32*>(op + dt * 8) = pack2<T>(o[dt][2] * inv1, o[dt][3] * inv1);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Cascade decode's shared-prefix pass on tensor cores (fp16 / bf16 caches): prefill_mma's tiles,
+// with the query rows of one (group, kv head) being the query heads of that kv head of every
+// sequence of the group (width x group rows, packed by the caller: q [G, kvh, R, D]), attending
+// the group's whole prefix (no causal mask: every key before prefix_lens[g] counts). Writes the
+// normalised output in fp32 (o_out [G, kvh, R, D]) and its log-sum-exp in log2 units of the
+// scaled scores (lse_out [G, kvh, R]): one split's partial, merged with the sequences' own
+// blocks by the caller (ops.merge_partials with sum 1).
+// grid (ceil(R / 64), num_kv_heads, G), 128 threads (4 warps x 16 rows).
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+                   const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ prefix_lens,
+                   float* __restrict__ o_out, float* __restrict__ lse_out, int rows, int num_kv_heads,
+                   int bs_shift, float scale_log2) {
+    constexpr int LDS = D + 8;
+    constexpr int CPR = D / 8;
+    __shared__ __align__(16) T sK[PM_N * LDS];  // holds the Q tile first
+    __shared__ __align__(16) T sV[PM_N * LDS];
+
+    const int grp = blockIdx.z;
+    const int kvh = blockIdx.y;
+    const int m0 = blockIdx.x * PM_M;
+    const int kend = prefix_lens[grp];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int wr = warp * 16;
+    const i64 qbase = ((i64)grp * num_kv_heads + kvh) * rows;  // this (group, kv head)'s first row
+
+    for (int c = tid; c < PM_M * CPR; c += 128) {
+        const int r = c / CPR, p = c - (c / CPR) * CPR;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m0 + r < rows) v = *reinterpret_cast<const uint4*>(q + (qbase + m0 + r) * D + p * 8);
+        *reinterpret_cast<uint4*>(&sK[r * LDS + p * 8]) = v;
+    }
+    __syncthreads();
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        qf[kk][0] = *reinterpret_cast<const u32*>(&sK[(wr + g) * LDS + kk * 16 + 2 * t4]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&sK[(wr + g + 8) * LDS + kk * 16 + 2 * t4]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&sK[(wr + g) * LDS + kk * 16 + 8 + 2 * t4]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&sK[(wr + g + 8) * LDS + kk * 16 + 8 + 2 * t4]);
+    }
+    __syncthreads();
+
+    const int ntiles = (kend + PM_N - 1) / PM_N;
+    const int bs_mask = (1 << bs_shift) - 1;
+    const int* bt = block_tables + (i64)grp * bt_stride;
+    const i64 row_stride = (i64)num_kv_heads * D;
+
+    auto load_tile = [&](T* dst, const T* cache, int k0) {
+        for (int c = tid; c < PM_N * CPR; c += 128) {
+            const int r = c / CPR, p = c - (c / CPR) * CPR;
+            const int pos = k0 + r;
+            T* d = dst + r * LDS + p * 8;
+            if (pos < kend) {
+                const i64 slot = ((i64)bt[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
+                cp_async16(d, cache + slot * row_stride + (i64)kvh * D + p * 8);
+            } else {
+                *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow0 = neg_inf(), mrow1 = neg_inf(), lrow0 = 0.f, lrow1 = 0.f;
+
+    if (ntiles > 0) load_tile(sK, key_cache, 0);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; ++it) {
+        const int k0 = it * PM_N;
+        load_tile(sV, value_cache, k0);
+        cp_async_commit();
+        cp_async_wait<1>();  // K(it) has landed
+        __syncthreads();
+
+        float s[PM_N / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
+                const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
+                mma16816<T>(s[nt], qf[kk], b0, b1);
+            }
+        }
+        __syncthreads();  // every warp is done with sK
+        if (it + 1 < ntiles) load_tile(sK, key_cache, k0 + PM_N);
+        cp_async_commit();
+
+        const bool need_mask = k0 + PM_N > kend;  // the last tile's keys past the prefix
+        float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = s[nt][e] * scale_log2;
+                if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) >= kend) v = neg_inf();
+                s[nt][e] = v;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+        const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
+        const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
+        const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
+        const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
+        mrow0 = mn0; mrow1 = mn1;
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < PM_N / 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - mu0);
+            s[nt][1] = exp2f(s[nt][1] - mu0);
+            s[nt][2] = exp2f(s[nt][2] - mu1);
+            s[nt][3] = exp2f(s[nt][3] - mu1);
+            ls0 += s[nt][0] + s[nt][1];
+            ls1 += s[nt][2] + s[nt][3];
+        }
+        lrow0 = lrow0 * corr0 + ls0;
+        lrow1 = lrow1 * corr1 + ls1;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[dt][0] *= corr0; o[dt][1] *= corr0;
+            o[dt][2] *= corr1; o[dt][3] *= corr1;
+        }
+
+        cp_async_wait<1>();  // V(it) has landed
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < PM_N / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const int mi = lane >> 3, rr = lane & 7;
+            const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vrow + dp * 16);
+                mma16816<T>(o[2 * dp], a, b[0], b[1]);
+                mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with sV
+    }
+    cp_async_wait<0>();
+
+    lrow0 += __shfl_xor_sync(FULL_MASK, lrow0, 1);
+    lrow0 += __shfl_xor_sync(FULL_MASK, lrow0, 2);
+    lrow1 += __shfl_xor_sync(FULL_MASK, lrow1, 1);
+    lrow1 += __shfl_xor_sync(FULL_MASK, lrow1, 2);
+    const float inv0 = lrow0 > 0.f ? 1.f / lrow0 : 0.f;
+    const float inv1 = lrow1 > 0.f ? 1.f / lrow1 : 0.f;
+    const int row0 = m0 + wr + g, row1 = row0 + 8;
+    if (row0 < rows) {
+        float* op = o_out + (qbase + row0) * D + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
+        if (t4 == 0) lse_out[qbase + row0] = lrow0 > 0.f ? mrow0 + __log2f(lrow0) : neg_inf();
+    }
+    if (row1 < rows) {
+        float* op = o_out + (qbase + row1) * D + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
+        if (t4 == 0) lse_out[qbase + row1] = lrow1 > 0.f ? mrow1 + __log2f(lrow1) : neg_inf();
+    }
+}

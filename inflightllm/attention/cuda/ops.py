@@ -152,6 +152,7 @@ def dtype_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functio
     names.append(f"prefill_fma<{t},{head_dim}>")
     if dtype != torch.float32:
         names.append(f"prefill_mma<{t},{head_dim}>")
+        names.append(f"cascade_prefix_mma<{t},{head_dim}>")
     return _Functions(tuple(names), device)
 
 
@@ -440,6 +441,24 @@ def paged_decode_partials(query, key_cache, value_cache, block_tables, context_l
     )
     _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device.index, smem)
     return part_out, part_m, part_l
+
+
+def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_lens, bs_shift, scale, stream):
+    """Cascade decode's shared-prefix pass on tensor cores (kernels.cu cascade_prefix_mma; a
+    16-bit cache). packed [G, kvh, R, D] contiguous: the R = width x group query heads of each
+    kv head of each group's sequences. Returns (output [G, kvh, R, D] float32, normalised;
+    log-sum-exp [G, kvh, R] float32 in log2 units of the scaled scores), each group attending
+    its whole prefix (prefix_tables [G, blocks] int32, prefix_lens [G] int32 tokens)."""
+    groups, kv_heads, rows, head_dim = packed.shape
+    fn = dtype_module(packed.dtype, head_dim, packed.device.index)[
+        f"cascade_prefix_mma<{CTYPE[packed.dtype]},{head_dim}>"]
+    out = torch.empty((groups, kv_heads, rows, head_dim), dtype=torch.float32, device=packed.device)
+    lse = torch.empty((groups, kv_heads, rows), dtype=torch.float32, device=packed.device)
+    args = (_p(packed), _p(key_cache), _p(value_cache), _p(prefix_tables), _i32(prefix_tables.stride(0)),
+            _p(prefix_lens), _p(out), _p(lse), _i32(rows), _i32(kv_heads), _i32(bs_shift),
+            np.float32(scale * np.log2(np.e)))
+    _launch(fn, (-(-rows // PREFILL_MMA_M), kv_heads, groups), 128, args, stream)
+    return out, lse
 
 
 def merge_partials(part_out, part_m, part_l, dtype):
