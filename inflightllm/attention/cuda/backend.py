@@ -110,13 +110,12 @@ class PinnedHostTensor:
             self.registered = False
 
 
-# Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = off (the default), auto (when
-# it saves enough reads, below), always (whenever decodes share a block: tests). Off by
-# default because it measured slower on an H200 (n = 8 over 64 prompts of 2,048 tokens:
-# 5,150 output tok/s with it against 5,975 without; docs/SEQUENCE-GROUPS.md): reading the
-# prefix once does not pay while the decode is bound by its dot products, not its reads.
+# Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = auto (the default: when it
+# saves enough reads, below), always (whenever decodes share a block: tests), off. Measured on
+# an H200, n = 8 over 64 prompts of 2,048 tokens: 6,799 output tok/s with it (the prefix on
+# tensor cores, cascade_prefix_mma) against 5,965 without (docs/SEQUENCE-GROUPS.md).
 CASCADE_MODES = ("auto", "always", "off")
-CASCADE_DEFAULT = "off"
+CASCADE_DEFAULT = "auto"
 # auto: a step's shared prefixes must save at least this many bytes of K/V reads (all layers,
 # summed over the decodes: 8 GiB is ~2 ms of HBM on an H200, about what the eager step's
 # launches cost against a CUDA graph's replay) and this fraction of all its decode reads.
@@ -679,7 +678,9 @@ class CudaPagedAttention(AttentionBackend):
         G, n = cascade.num_groups, cascade.width
         kvh, D, H = self.num_kv_heads, self.head_dim, self.num_heads
         grp = H // kvh
-        packed = members.view(G, n, kvh, grp, D).permute(0, 2, 1, 3, 4).reshape(G, kvh, n * grp, D)
+        # contiguous: with one query head per kv head the reshape is a view, which the kernel
+        # would read as the wrong rows (seen on an H200: 8 heads / 8 kv heads)
+        packed = members.view(G, n, kvh, grp, D).permute(0, 2, 1, 3, 4).reshape(G, kvh, n * grp, D).contiguous()
         output, lse = ops.cascade_prefix_mma(packed, key_cache, value_cache, cascade.prefix_tables,
                                              cascade.prefix_lens, self._bs_shift, self.scale, stream)
         output = output.view(G, kvh, n, grp, D).permute(0, 2, 1, 3, 4).reshape(G * n, H, 1, D)

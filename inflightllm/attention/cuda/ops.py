@@ -450,6 +450,7 @@ def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_len
     log-sum-exp [G, kvh, R] float32 in log2 units of the scaled scores), each group attending
     its whole prefix (prefix_tables [G, blocks] int32, prefix_lens [G] int32 tokens)."""
     groups, kv_heads, rows, head_dim = packed.shape
+    assert packed.is_contiguous() and prefix_tables.is_contiguous()
     fn = dtype_module(packed.dtype, head_dim, packed.device.index)[
         f"cascade_prefix_mma<{CTYPE[packed.dtype]},{head_dim}>"]
     out = torch.empty((groups, kv_heads, rows, head_dim), dtype=torch.float32, device=packed.device)
