@@ -239,3 +239,36 @@ def test_several_compile_threads_compile_each_spec_once(smollm2_tokenizer):
     retried = pool.submit(broken)
     assert retried is not failed and retried.exception() is not None
     pool.close()
+
+
+def test_check_spec_checks_a_spec_once_and_a_bad_one_every_time(monkeypatch):
+    """A burst under one schema parses it once (it cost ~4-6 ms a request); a spec that fails
+    is refused every time with its field named; the memory of checked specs is bounded."""
+    from inflightllm.guided import spec as spec_module
+    from inflightllm.guided.spec import GuidedSpec, GuidedSpecError, check_spec, json_schema_spec
+
+    calls = []
+    real = spec_module._check_meta_schema
+    monkeypatch.setattr(spec_module, "_check_meta_schema", lambda schema, field: (calls.append(field),
+                                                                               real(schema, field)))
+    monkeypatch.setattr(spec_module, "_checked_specs", type(spec_module._checked_specs)())
+    good = json_schema_spec({"type": "object", "properties": {"once_checked": {"type": "integer"}}})
+    for _ in range(3):
+        check_spec(good)
+    assert len(calls) == 1
+    bad = json_schema_spec({"type": "object", "properties": {"x": {"type": "no-such-type"}}})
+    for _ in range(2):
+        with pytest.raises(GuidedSpecError, match="guided_json"):
+            check_spec(bad)
+    assert len(calls) == 3
+    regex_bad = GuidedSpec("regex", "(unclosed")
+    for _ in range(2):
+        with pytest.raises(GuidedSpecError, match="guided_regex"):
+            check_spec(regex_bad)
+    monkeypatch.setattr(spec_module, "CHECKED_SPECS_MAX", 2)
+    others = [json_schema_spec({"type": "object", "properties": {f"k{i}": {"type": "string"}}}) for i in range(3)]
+    for other in others:
+        check_spec(other)
+    assert len(spec_module._checked_specs) == 2 and good not in spec_module._checked_specs
+    check_spec(good)  # forgotten: checked again
+    assert len(calls) == 3 + 3 + 1
