@@ -122,6 +122,23 @@ def test_bad_input_is_an_http_error_naming_the_input(endpoint):
     assert event["error"].startswith("in ensemble 'ensemble', input 'max_tokens': 5000 is out of range")
 
 
+def test_fields_that_are_not_inputs_are_refused_not_ignored(endpoint):
+    """A generate body's fields that are not inputs reach the model as request parameters:
+    a misspelled input, or vLLM's guided_json at the top level, is an error naming it."""
+    status, _, body = post(f"{endpoint}/generate", chat_body(temprature=0.5))
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert "request parameter 'temprature': not an input of this model" in error
+    assert "text_input" in error and "temperature" in error  # the inputs are listed
+    status, _, body = post(f"{endpoint}/generate", chat_body(guided_json='{"type": "object"}'))
+    assert status == 400
+    assert "'guided_json'" in json.loads(body)["error"] and "sampling_parameters input" in json.loads(body)["error"]
+    # the same constraint where it belongs is served
+    status, _, body = post(f"{endpoint}/generate", chat_body(
+        sampling_parameters=json.dumps({"guided_json": {"type": "object"}}), max_tokens=16))
+    assert status == 200, body
+
+
 def test_stop_words_as_a_json_list(endpoint):
     _, _, body = post(
         f"{endpoint}/generate", chat_body(stop_words=["Paris", "Rome"], exclude_input_in_output=True)

@@ -670,6 +670,30 @@ def _guided_tensors(spec: GuidedSpec | None) -> tuple[int, np.ndarray]:
 # ----------------------------------------------------------------------------- request
 
 
+def check_request_parameters(parameters: str | Mapping | None, input_names) -> None:
+    """Refuse request parameters this server does not read. Triton hands the fields of an
+    HTTP `generate` body that are not inputs (and a gRPC request's `parameters`) to the
+    model as request parameters; ignored, a misspelled input or vLLM's `guided_json` at the
+    top level would be dropped silently. Triton's own (`triton_` prefix) are allowed."""
+    if not parameters:
+        return
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError:
+            return  # not ours to parse: Triton's own encoding
+    unknown = sorted(str(key) for key in parameters if not str(key).startswith("triton_"))
+    if not unknown:
+        return
+    names = ", ".join(repr(name) for name in unknown)
+    hint = ""
+    if any(name.startswith("guided_") or name in SAMPLING_PARAMETER_KEYS for name in unknown):
+        hint = " (vLLM's sampling parameters, guided_json and the others, go in the sampling_parameters input)"
+    raise RequestError(
+        f"request parameter{'s' if len(unknown) > 1 else ''} {names}: not an input of this model, and "
+        f"not used; inputs are {', '.join(sorted(input_names))}{hint}")
+
+
 def build_engine_request(
     inputs: Mapping[str, np.ndarray | None], tokenizer, limits: RequestLimits
 ) -> dict[str, np.ndarray]:

@@ -10,7 +10,12 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer, model_dims
-from inflightllm.text.preprocess import RequestError, RequestLimits, build_engine_request
+from inflightllm.text.preprocess import (
+    RequestError,
+    RequestLimits,
+    build_engine_request,
+    check_request_parameters,
+)
 
 
 class TritonPythonModel:
@@ -30,6 +35,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
+                check_request_parameters(request.parameters(), self.input_names)
                 inputs = {}
                 for name in self.input_names:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
