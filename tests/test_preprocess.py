@@ -625,6 +625,17 @@ def _fake_pb_utils() -> types.ModuleType:
     return module
 
 
+class _FakeRequest(dict):
+    """A request's input arrays by name, and its Triton request parameters (JSON text)."""
+
+    def __init__(self, inputs, parameters: str = "{}"):
+        super().__init__(inputs)
+        self._parameters = parameters
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
 def test_adapter_fails_only_the_bad_request_of_a_batch(smollm2_tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
     spec = importlib.util.spec_from_file_location("preprocessing_model", REPO_ROOT / "templates/models/preprocessing.py")
@@ -634,12 +645,15 @@ def test_adapter_fails_only_the_bad_request_of_a_batch(smollm2_tokenizer, monkey
     model.tokenizer, model.limits = smollm2_tokenizer, LIMITS
     model.input_names = ["text_input", "max_tokens", "temperature"]
 
-    good = make_request()
-    bad = make_request(temperature=scalar(-1.0, np.float32))
-    responses = model.execute([good, bad, good])
-    assert [r.error is None for r in responses] == [True, False, True]
+    good = _FakeRequest(make_request())
+    bad = _FakeRequest(make_request(temperature=scalar(-1.0, np.float32)))
+    unread = _FakeRequest(make_request(), '{"temprature": 0.5, "triton_enable_empty_final_response": true}')
+    responses = model.execute([good, bad, good, unread])
+    assert [r.error is None for r in responses] == [True, False, True, False]
     assert responses[1].error.message() == "input 'temperature': -1.0 is out of range; allowed: 0 to 100 (0 = greedy)"
     assert responses[1].error.code == "INVALID_ARG"
+    assert responses[3].error.message().startswith("request parameter 'temprature': not an input of this model")
+    assert responses[3].error.code == "INVALID_ARG"
     outputs = {t.name(): t.as_numpy() for t in responses[2].output_tensors}
     assert list(outputs) == list(ENGINE_REQUEST_DTYPES)
     assert outputs["input_ids"].tolist() == [HELLO_WORLD]
