@@ -153,7 +153,7 @@ class CascadePlan:
     def num_groups(self) -> int:
         return len(self.prefix_lens)
 
-    def upload(self, upload) -> "CascadeDecode":
+    def upload(self, upload) -> CascadeDecode:
         """Device tensors through `upload` (host array -> device tensor)."""
         rows = self.member_rows
         return CascadeDecode(
@@ -264,7 +264,7 @@ class CudaAttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32, tokens in cache after this step; 0 = padding row
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32 prefix sums of query lengths
     # Decodes that share a prefix of whole blocks attend it once per group (plan_cascade).
-    cascade: "CascadeDecode | None" = None
+    cascade: CascadeDecode | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -547,11 +547,12 @@ class CudaPagedAttention(AttentionBackend):
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         )
 
-    def decode_splits(self, num_decodes: int) -> int:
+    def decode_splits(self, num_decodes: int, group: int | None = None) -> int:
         """Splits of each decode's context (flash-decoding): as many as fit the GPU's resident
         blocks in one wave (floor, so no partial second wave), at most one per 128 tokens of
-        max_model_len. Depends on host ints only (graph-safe)."""
-        maxg, per_kv = ops.decode_group_split(self.num_heads // self.num_kv_heads)
+        max_model_len. `group`: query heads per kv head (default the model's; cascade decode's
+        prefix pass has width x that). Depends on host ints only (graph-safe)."""
+        maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads)
         base = self.num_kv_heads * per_kv * max(1, num_decodes)
         slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
@@ -663,13 +664,6 @@ class CudaPagedAttention(AttentionBackend):
             )
         return out
 
-    def _cascade_splits(self, num_seqs: int, group: int) -> int:
-        """Splits for `num_seqs` decodes of `group` query heads per kv head (decode_splits' rule)."""
-        maxg, per_kv = ops.decode_group_split(group)
-        base = self.num_kv_heads * per_kv * max(1, num_seqs)
-        slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
-        return max(1, min(slots // base, ops.MAX_SPLITS, -(-self.max_model_len // 128)))
-
     def _cascade_prefix_mma(self, members, key_cache, value_cache, cascade: CascadeDecode, stream):
         """The groups' shared prefixes on tensor cores (ops.cascade_prefix_mma, a 16-bit cache):
         each kv head's query heads of all a group's sequences are one tile of query rows over
@@ -704,7 +698,7 @@ class CudaPagedAttention(AttentionBackend):
         else:
             # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
             grouped = members.view(G, n, kvh, grp, D).transpose(1, 2).reshape(G, kvh * n * grp, D)
-            z = self._cascade_splits(G, n * grp)
+            z = self.decode_splits(G, n * grp)
             po1, pm1, pl1 = ops.paged_decode_partials(
                 grouped, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, G, z, n * H, kvh, D,
                 self._bs_shift, self.scale, stream, "v4" if z == 1 else "v2", self.decode_min_split, scales)
@@ -714,7 +708,7 @@ class CudaPagedAttention(AttentionBackend):
             prefix = po1, pm1, pl1
         po1, pm1, pl1 = prefix
         z1 = pm1.shape[-1]
-        z2 = self._cascade_splits(nd, grp)
+        z2 = self.decode_splits(nd)
         variant = "v4" if z2 == 1 else "v2"
         po2, pm2, pl2 = ops.paged_decode_partials(
             q, key_cache, value_cache, cascade.suffix_tables, cascade.suffix_lens, nd, z2, H, kvh, D,

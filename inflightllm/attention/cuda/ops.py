@@ -318,6 +318,23 @@ def decode_blocks_per_sm(maxg: int) -> int:
     return 3 if maxg >= 8 else 4
 
 
+def _decode_function(query, head_dim, variant, maxg, scale, kv_scales):
+    """The flash-decoding kernel of `variant` for `maxg` query heads a block, with its dynamic
+    shared memory, the query scale in log2 units and the output's value scale: the kernel
+    reading the query's dtype, or, with `kv_scales` (an FP8 cache), the FP8 one, k_scale
+    folded into the query scale and v_scale into the output."""
+    scale_log2 = scale * np.log2(np.e)
+    if kv_scales is None:
+        smem = decode_dynamic_smem(variant, maxg)
+        fn = dtype_module(query.dtype, head_dim, query.device.index).get(
+            decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
+        return fn, smem, scale_log2, 1.0
+    smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
+    name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
+    fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
+    return fn, smem, scale_log2 * kv_scales[0], kv_scales[1]
+
+
 def paged_decode(
     query,
     key_cache,
@@ -349,17 +366,7 @@ def paged_decode(
     maxg, per_kv = decode_group_split(group)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
-    scale_log2 = scale * np.log2(np.e)
-    v_scale = 1.0
-    if kv_scales is None:
-        smem = decode_dynamic_smem(variant, maxg)
-        fn = mod.get(decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
-    else:
-        smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
-        name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
-        fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
-        scale_log2 *= kv_scales[0]
-        v_scale = kv_scales[1]
+    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
@@ -415,18 +422,7 @@ def paged_decode_partials(query, key_cache, value_cache, block_tables, context_l
     assert variant in ("v2", "v4") and 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group)
-    scale_log2 = scale * np.log2(np.e)
-    v_scale = 1.0
-    if kv_scales is None:
-        smem = decode_dynamic_smem(variant, maxg)
-        fn = dtype_module(query.dtype, head_dim, query.device.index).get(
-            decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
-    else:
-        smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
-        name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
-        fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
-        scale_log2 *= kv_scales[0]
-        v_scale = kv_scales[1]
+    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
     device = query.device
     part_out = torch.zeros((num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_m = torch.full((num_decodes, num_heads, num_splits), float("-inf"), dtype=torch.float32, device=device)
