@@ -135,6 +135,7 @@ class GpuModelRunner:
         )
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self._bytes_per_block()
+        self._kv_bytes_per_token = self._bytes_per_block() // self.block_size  # cascade decode's threshold
         # A timed pinned copy over the (still unused) cache: what preemption_mode auto weighs a swap by.
         self.host_link = measure_host_link(self.attention.key_cache, self.attention.value_cache, num_blocks)
         logger.info(
@@ -343,7 +344,7 @@ class GpuModelRunner:
         context = num_computed[:num_decodes] + 1
         width = int(-(-int(context.max()) // self.block_size))
         return plan_cascade(self.block_table[rows[:num_decodes], :width], context, self.block_size,
-                            self.cascade_mode, self._bytes_per_block() // self.block_size)
+                            self.cascade_mode, self._kv_bytes_per_token)
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_metadata(self, batch: int):

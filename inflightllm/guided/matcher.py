@@ -58,6 +58,7 @@ class GuidedState:
         # every token, so no unpacking to one byte per token.
         mask = self.next_mask()
         vocab = self.vocab_size
+        tail = vocab & 31  # the last word's bits that are tokens (0: all 32)
         # The common case first: none of `token_ids` is allowed, so the answer is whether no
         # token at all is (no copy, no masking; count_nonzero is numpy's fastest scan).
         # Python ints: a word's sign bit is bit 31.
@@ -65,11 +66,9 @@ class GuidedState:
             if 0 <= token < vocab and (int(mask[token >> 5]) >> (token & 31)) & 1:
                 break
         else:
-            tail = vocab & 31
             if not tail:
                 return not np.count_nonzero(mask)
             return not (np.count_nonzero(mask[:-1]) or int(mask[-1]) & ((1 << tail) - 1))
-        tail = vocab % 32
         words = mask.view(np.uint32).copy()
         if tail:
             words[-1] &= np.uint32((1 << tail) - 1)  # bits past the vocabulary are not tokens
