@@ -1077,7 +1077,7 @@ class Engine:
             from inflightllm.guided.matcher import advance_batch
 
             start = time.perf_counter()
-            advance_batch(states, tokens, self._grammars.batch_matcher())
+            advance_batch(states, tokens, self._grammars.batch_matcher(), self._grammars.accept_executor())
             self.host_seconds["advance"] += time.perf_counter() - start
 
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:

@@ -77,12 +77,18 @@ def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupP
         engine.add_request(f"{tag}-{index}", prompt, params, group=group)
     tokens = 0
     peak_used = 0
+    decode_from = None  # the first step with no prompt tokens and nothing waiting: decode alone from there
+    decode_steps_before = 0
     while engine.has_unfinished():
         for output in engine.step():
             if output.error is not None:
                 raise RuntimeError(f"{tag}: {output.error}")
             tokens += len(output.new_token_ids)
         peak_used = max(peak_used, engine.block_manager.num_used_blocks)
+        if (decode_from is None and not engine.scheduler.waiting
+                and 0 < engine.stats().num_tokens_last_step <= len(engine.scheduler.running)):
+            decode_from = (time.perf_counter(), tokens)
+            decode_steps_before = engine.stats().num_steps_total
     sync()
     seconds = time.perf_counter() - start
     stats = engine.stats()
@@ -92,9 +98,16 @@ def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupP
         host["outside_runner"] = round((seconds - timed.seconds) * 1e3 / max(1, steps), 3)
         host["beam"] = round(engine.host_seconds["beam"] * 1e3 / max(1, steps), 3)
         host["steps"] = steps
+    phases = {}
+    if decode_from is not None:  # the prefill phase (prompts, with decodes beside them) and the decode-only one
+        decode_s = time.perf_counter() - decode_from[0]
+        decode_steps = stats.num_steps_total - decode_steps_before
+        phases = {"until_decode_only_s": round(decode_from[0] - start, 3), "decode_only_s": round(decode_s, 3),
+                  "decode_only_steps": decode_steps,
+                  "decode_only_ms_per_step": round(decode_s * 1e3 / max(1, decode_steps), 2)}
     return {"seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 1),
             "peak_kv_blocks_used": peak_used, "preemptions_total": stats.num_preemptions_total,
-            "steps": steps, "host_ms_per_step": host}
+            "steps": steps, "host_ms_per_step": host, **phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64, help="P: prompts of the n=8 workload")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.44)
     parser.add_argument("--beam-only", action="store_true", help="skip the n=8 part")
+    parser.add_argument("--profile", action="store_true",
+                        help="the n=8 workload once more (other prompts) under the torch profiler: GPU busy "
+                             "time and time by kind of kernel (perf.bench_gpu.profile_run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -170,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         plain = drive(engine, [(p, sampled, GroupParams(n=8)) for p in prompts_of(prompts, long_prompt, vocab, 5)],
                       "n8-no-cascade")
         runner.cascade_mode = mode
+    if args.profile and torch.cuda.is_available():
+        from perf.bench_gpu import profile_run
+
+        runner.cascade_mode = "auto"
+        report["profile_n8"] = profile_run(
+            lambda: drive(engine, [(p, sampled, GroupParams(n=8)) for p in prompts_of(prompts, long_prompt, vocab, 6)],
+                          "n8-profile"), "n=8, cascade auto")
+        runner.cascade_mode = mode
     del engine, runner
     gc.collect()
     if torch.cuda.is_available():
@@ -188,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['parallel_sampling']['throughput_ratio']:.2f} (goal >= 5); cascade decode in "
           f"{groups['cascade_steps']} of {groups['steps']} steps"
           + (f"; without it {plain['output_tok_s']:.0f} tok/s" if plain else ""), flush=True)
+    for name, run in (("groups", groups), ("no cascade", plain), ("separate", separate)):
+        if run and "decode_only_s" in run:
+            print(f"  {name}: {run['until_decode_only_s']:.2f} s until decode alone, then {run['decode_only_s']:.2f} s "
+                  f"({run['decode_only_steps']} steps, {run['decode_only_ms_per_step']:.1f} ms a step); "
+                  f"host ms per step {run['host_ms_per_step']}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

@@ -6,8 +6,9 @@
 #
 #   OUT=$OUT STEPS="tests,sampler,sampled" bash perf/run_kv_pressure_device.sh   # carry build/bundle/part1
 #
-# STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups, guided (carry
-# build/bundle/part2/guided.tar.xz too). POLICIES,
+# STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups (GROUPS_ARGS, e.g.
+# --profile), guided and guided-pyspy (carry build/bundle/part2/guided.tar.xz too; guided-pyspy
+# also build/tools/py-spy; guided-server: the burst through tritonserver). POLICIES,
 # MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options); VARIANTS
 # (bench_rows --variants, e.g. fp8-kv: bf16 weights with an FP8 KV cache).
 set -u
@@ -40,14 +41,29 @@ if has multiturn; then
     ${MULTITURN_ARGS:-} --out "$OUT/multiturn.json"
 fi
 if has groups; then
-  step bench_groups 270 "$PY" -m perf.bench_sequence_groups --out "$OUT/sequence_groups.json"
+  step bench_groups "${GROUPS_LIMIT:-270}" "$PY" -m perf.bench_sequence_groups ${GROUPS_ARGS:-} --out "$OUT/sequence_groups.json"
 fi
-if has guided; then
+if has guided || has guided-pyspy || has guided-server; then
   # xgrammar and jsonschema from the bundle's part 2 (carry build/bundle/part2/guided.tar.xz)
   if ! "$PY" -c "import xgrammar" 2> /dev/null && [ -f build/bundle/part2/guided.tar.xz ]; then
     tar -xJf build/bundle/part2/guided.tar.xz -C "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   fi
+fi
+if has guided; then
   step bench_guided "${GUIDED_LIMIT:-300}" "$PY" -m perf.bench_guided ${GUIDED_ARGS:-} --out "$OUT/guided.json"
+fi
+if has guided-pyspy; then
+  # The throughput runs only (no compile or burst run) under py-spy (PYSPY: a static binary,
+  # carry it, e.g. build/tools/py-spy): every thread's Python stacks, collapsed, for a grep.
+  step guided_pyspy "${PYSPY_LIMIT:-200}" "${PYSPY:-build/tools/py-spy}" record --threads --rate 100 --format raw \
+    --nonblocking -o "$OUT/pyspy-guided.txt" -- "$PY" -m perf.bench_guided --schemas 1 --burst 0 ${GUIDED_ARGS:-} \
+    --out "$OUT/guided-pyspy.json"
+fi
+if has guided-server; then
+  # Issue 28's burst through tritonserver (the profile's whole ensemble, the bundle's server).
+  step guided_server "${GUIDED_SERVER_LIMIT:-300}" "$PY" -m perf.bench_guided --server --bundle "$PREFIX" \
+    --profile "$PROFILE" ${GUIDED_SERVER_ARGS:-} --out "$OUT/guided-server.json"
+  end_leftover_gpu_processes
 fi
 cat "$SUMMARY"
 exit $STATUS

@@ -86,3 +86,56 @@ def test_engine_with_mask_threads_gives_the_same_outputs(smollm2_tokenizer):
             assert finished[request_id] == (FinishReason.STOP, None), finished[request_id]
             jsonschema.validate(json.loads(smollm2_tokenizer.decode(tokens[request_id])), schema)
     assert len(tokens["free"]) == 16
+
+
+def test_accept_in_slices_on_workers_equals_one_call(smollm2_tokenizer, monkeypatch):
+    """`accept_tokens` with an executor (the step's rows in slices, one per worker and one on
+    the calling thread) gives each row the answer and the state of one serial batch accept,
+    refused tokens included, and keeps the rows' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inflightllm.guided import matcher
+
+    monkeypatch.setattr(matcher, "MIN_ACCEPT_SLICE", 4)
+    info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=VOCAB, stop_token_ids=[2])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    grammars = [compiler.compile_json_schema(json.dumps(schema), any_whitespace=False) for schema in SCHEMAS[:6]]
+    sliced = [GuidedState(grammar, VOCAB) for grammar in grammars for _ in range(5)]
+    serial = [GuidedState(grammar, VOCAB) for grammar in grammars for _ in range(5)]
+    rng = np.random.default_rng(1)
+    refused = 0
+    with ThreadPoolExecutor(max_workers=3) as executor:
+        for step in range(16):
+            live = [i for i, state in enumerate(serial) if not state.is_terminated]
+            tokens = [int(rng.choice(allowed_ids(serial[i].next_mask()))) for i in live]
+            if step % 4 == 0:  # a token the grammar refuses, in a different slice each time
+                tokens[step % len(live)] = 0 if 0 not in allowed_ids(serial[live[step % len(live)]].next_mask()) \
+                    else tokens[step % len(live)]
+            got = matcher.accept_tokens([sliced[i].matcher for i in live], tokens, executor)
+            want = [serial[i].accept(token) for i, token in zip(live, tokens)]
+            assert got == want
+            refused += want.count(False)
+            for i in live:
+                sliced[i]._filled = False
+                assert sliced[i].is_terminated == serial[i].is_terminated
+                if not serial[i].is_terminated:
+                    assert np.array_equal(sliced[i].next_mask(), serial[i].next_mask())
+    assert refused >= 1
+
+
+def test_pool_remakes_its_batch_matcher_and_workers_when_mask_threads_changes(tmp_path):
+    from inflightllm.guided.compiler import GrammarCompilerPool
+
+    pool = GrammarCompilerPool(tmp_path, VOCAB, [2], compile_threads=1)
+    try:
+        pool.mask_threads = 0
+        assert pool.batch_matcher() is None and pool.accept_executor() is None
+        pool.mask_threads = 1
+        assert pool.batch_matcher() is not None and pool.accept_executor() is None
+        pool.mask_threads = 4
+        first, executor = pool.batch_matcher(), pool.accept_executor()
+        assert executor._max_workers == 3 and pool.batch_matcher() is first and pool.accept_executor() is executor
+        pool.mask_threads = 2
+        assert pool.batch_matcher() is not first and pool.accept_executor()._max_workers == 1
+    finally:
+        pool.close()

@@ -66,7 +66,8 @@ class GrammarCompilerPool:
         # Seconds of the last compiles (not cache hits), oldest first: perf/bench_guided.py
         # reports them; bounded like the cache.
         self.compile_seconds: list[float] = []
-        self._batch_matcher = None
+        self._batch_matcher = None  # (mask_threads, xgrammar.BatchGrammarMatcher)
+        self._accept_executor = None  # (mask_threads, ThreadPoolExecutor)
         self.mask_threads = default_mask_threads()  # set before the first constrained step
 
     def submit(self, spec: GuidedSpec) -> Future:
@@ -148,15 +149,32 @@ class GrammarCompilerPool:
 
     def batch_matcher(self):
         """xgrammar's BatchGrammarMatcher with `mask_threads` threads (they fill many rows'
-        masks at once, outside the GIL), made on first use; None when `mask_threads` is 0
-        (rows one by one). The engine's step thread alone uses it."""
+        masks at once, outside the GIL), made on first use and again when `mask_threads`
+        changes; None when `mask_threads` is 0 (rows one by one). The engine's step thread
+        alone uses it."""
         if not self.mask_threads:
             return None
-        if self._batch_matcher is None:
+        if self._batch_matcher is None or self._batch_matcher[0] != self.mask_threads:
             import xgrammar as xgr
 
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.mask_threads)
-        return self._batch_matcher
+            self._batch_matcher = (self.mask_threads, xgr.BatchGrammarMatcher(max_threads=self.mask_threads))
+        return self._batch_matcher[1]
+
+    def accept_executor(self) -> ThreadPoolExecutor | None:
+        """Workers that accept a step's tokens into the matchers in slices (`advance_batch`):
+        xgrammar's batch accept runs one matcher after another, 15-40 us each (a token's bytes
+        through the parser), but outside the GIL, so `mask_threads` - 1 workers and the step
+        thread take a slice each. None when `mask_threads` < 2."""
+        if self.mask_threads < 2:
+            return None
+        if self._accept_executor is None or self._accept_executor[0] != self.mask_threads:
+            if self._accept_executor is not None:
+                self._accept_executor[1].shutdown(wait=False)
+            self._accept_executor = (self.mask_threads, ThreadPoolExecutor(
+                max_workers=self.mask_threads - 1, thread_name_prefix="grammar-accept"))
+        return self._accept_executor[1]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._accept_executor is not None:
+            self._accept_executor[1].shutdown(wait=False)

@@ -138,12 +138,36 @@ def gather_masks(states: list[GuidedState | None], out: np.ndarray | None = None
     return out
 
 
-def advance_batch(states: list[GuidedState], tokens: list[int], batch) -> None:
-    """Accept each state's sampled token (one call into xgrammar for all), then fill the
-    masks of those that go on (`fill_masks`); the engine's per-request `accept` then takes
-    the kept answer, and its end-of-grammar check reads the filled mask."""
+# Fewer rows than this per slice are not worth a worker's hand-off (tens of microseconds).
+MIN_ACCEPT_SLICE = 64
+
+
+def accept_tokens(matchers: list, tokens: list[int], executor=None) -> list[bool]:
+    """xgrammar's batch accept of `tokens[i]` into `matchers[i]`. It runs the matchers one
+    after another (outside the GIL), so with an `executor` (`GrammarCompilerPool.accept_executor`)
+    the rows go in contiguous slices: one per worker and one on this thread."""
+    import xgrammar as xgr
+
+    accept = xgr.BatchGrammarMatcher.batch_accept_token
+    workers = getattr(executor, "_max_workers", 0) if executor is not None else 0
+    slices = min(workers + 1, len(matchers) // MIN_ACCEPT_SLICE)
+    if slices < 2:
+        return list(accept(matchers, tokens))
+    bounds = [len(matchers) * i // slices for i in range(slices + 1)]
+    futures = [executor.submit(accept, matchers[a:b], tokens[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+    allowed = list(accept(matchers[: bounds[1]], tokens[: bounds[1]]))
+    for future in futures:
+        allowed.extend(future.result())
+    return allowed
+
+
+def advance_batch(states: list[GuidedState], tokens: list[int], batch, executor=None) -> None:
+    """Accept each state's sampled token (`accept_tokens`: in slices on `executor`'s workers
+    when given), then fill the masks of those that go on (`fill_masks`); the engine's
+    per-request `accept` then takes the kept answer, and its end-of-grammar check reads the
+    filled mask."""
     tokens = [int(token) for token in tokens]
-    allowed = batch.batch_accept_token([state.matcher for state in states], tokens)
+    allowed = accept_tokens([state.matcher for state in states], tokens, executor)
     for state, token, ok in zip(states, tokens, allowed):
         state._taken = (token, bool(ok))
         state._filled = False
