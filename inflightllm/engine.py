@@ -1077,7 +1077,8 @@ class Engine:
             from inflightllm.guided.matcher import advance_batch
 
             start = time.perf_counter()
-            advance_batch(states, tokens, self._grammars.batch_matcher(), self._grammars.accept_executor())
+            advance_batch(states, tokens, self._grammars.batch_matcher(), self._grammars.accept_executor(),
+                          self._grammars.mask_ring)
             self.host_seconds["advance"] += time.perf_counter() - start
 
     def _advance_grammar(self, request: Request, token: int) -> FinishReason:
@@ -1116,7 +1117,7 @@ class Engine:
 
         batch = self.grammar_compiler().batch_matcher() if len(requests) > 1 else None
         if batch is not None:  # first masks of newly admitted requests, and any not filled yet
-            fill_masks([r.guided for r in requests if not r.is_finished], batch)
+            fill_masks([r.guided for r in requests if not r.is_finished], batch, self._grammars.mask_ring)
         return gather_masks([None if request.is_finished or request.guided.is_terminated else request.guided
                              for request in requests], out)
 

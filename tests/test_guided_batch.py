@@ -139,3 +139,35 @@ def test_pool_remakes_its_batch_matcher_and_workers_when_mask_threads_changes(tm
         assert pool.batch_matcher() is not first and pool.accept_executor()._max_workers == 1
     finally:
         pool.close()
+
+
+def test_masks_filled_in_a_reused_ring_stay_each_rows_own(smollm2_tokenizer):
+    """`fill_masks` with a `BitmaskRing` of depth 2 (its arrays reused every other fill):
+    rows that sit out several steps (not sampled, e.g. preempted) keep their own masks when
+    the array they were filled in is reused, and every row equals a row advanced alone."""
+    from inflightllm.guided.matcher import BitmaskRing
+
+    info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=VOCAB, stop_token_ids=[2])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    grammars = [compiler.compile_json_schema(json.dumps(schema), any_whitespace=False) for schema in SCHEMAS[:4]]
+    batch = xgr.BatchGrammarMatcher(max_threads=2)
+    ring = BitmaskRing(depth=2)
+    ringed = [GuidedState(grammar, VOCAB) for grammar in grammars for _ in range(3)]
+    alone = [GuidedState(grammar, VOCAB) for grammar in grammars for _ in range(3)]
+    rng = np.random.default_rng(2)
+    fill_masks(ringed, batch, ring)
+    detached = 0
+    for step in range(20):
+        live = [i for i, state in enumerate(alone) if not state.is_terminated]
+        if not live:
+            break
+        moving = [i for i in live if rng.random() < 0.6] or live[:1]  # the others sit this step out
+        tokens = [int(rng.choice(allowed_ids(alone[i].next_mask()))) for i in moving]
+        advance_batch([ringed[i] for i in moving], tokens, batch, ring=ring)
+        for i, token in zip(moving, tokens):
+            assert ringed[i].accept(token) == alone[i].accept(token)
+        detached += sum(ringed[i]._rows.shape[0] == 1 for i in live)
+        for i in live:
+            if not alone[i].is_terminated:
+                assert np.array_equal(ringed[i].next_mask(), alone[i].next_mask()), (step, i)
+    assert detached >= 1  # some row's array was reused while it sat out
