@@ -118,8 +118,9 @@ def state_with(mask: np.ndarray, vocab: int, rows: np.ndarray | None = None, row
     state.num_words = (vocab + 31) // 32
     if rows is None:
         rows, row = np.array(mask, np.int32).reshape(1, -1), 0
+    state._own = torch.zeros(1, state.num_words, dtype=torch.int32)
+    state._own_rows = state._own.numpy()
     state._rows, state._row = rows, row
-    state._mask = torch.from_numpy(rows)[row:row + 1]
     state._filled = True
     state._taken = None
     return state

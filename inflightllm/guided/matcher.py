@@ -22,11 +22,14 @@ class GuidedState:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
-        self._mask = torch.zeros(1, self.num_words, dtype=torch.int32)  # xgrammar fills a torch row
-        # `_mask` is row `_row` of the 2-D array `_rows` (its own one-row array, or the batch
-        # array `fill_masks` filled): `gather_masks` copies a step's rows of one batch array
-        # in one vectorised copy instead of stacking them one by one.
-        self._rows = self._mask.numpy()
+        # The request's own one-row mask (xgrammar fills a torch row; `_own_rows` is its NumPy
+        # view). The current mask is row `_row` of the 2-D array `_rows`: `_own_rows`, or the
+        # batch array `fill_masks` filled (then only those two attributes are set per row: a
+        # torch slice per row cost ~10 us, 10+ ms a step at 1,024 rows). `gather_masks` copies
+        # a step's rows of one batch array in one vectorised copy.
+        self._own = torch.zeros(1, self.num_words, dtype=torch.int32)
+        self._own_rows = self._own.numpy()
+        self._rows = self._own_rows
         self._row = 0
         self._filled = False
         self._taken: tuple[int, bool] | None = None  # (token, allowed) accepted by `advance_batch`
@@ -48,9 +51,16 @@ class GuidedState:
     def next_mask(self) -> np.ndarray:
         """The allowed next tokens as [num_words] int32 (filled once per accepted token)."""
         if not self._filled:
-            self.matcher.fill_next_token_bitmask(self._mask, 0)
+            self.matcher.fill_next_token_bitmask(self._own, 0)
+            self._rows, self._row = self._own_rows, 0
             self._filled = True
-        return self._rows[self._row]  # `_mask`'s row (a NumPy view: cheaper than Tensor.numpy())
+        return self._rows[self._row]  # a NumPy view: cheaper than Tensor.numpy()
+
+    def keep_own_copy(self) -> None:
+        """Copy the current mask out of a batch array about to be reused (`BitmaskRing`)."""
+        if self._rows is not self._own_rows:
+            self._own_rows[0] = self._rows[self._row]
+            self._rows, self._row = self._own_rows, 0
 
     def allows_only(self, token_ids) -> bool:
         """Whether every allowed next token is one of `token_ids` (the grammar is done)."""
@@ -101,9 +111,7 @@ class BitmaskRing:
             array, held, users = slot
             for state in users:
                 if state._rows is held:  # its mask is still in there: a copy of its row
-                    state._mask = state._mask.clone()
-                    state._rows = state._mask.numpy()
-                    state._row = 0
+                    state.keep_own_copy()
             if array.shape[0] < rows or array.shape[1] != words:
                 array = None
         if array is None:
@@ -134,7 +142,6 @@ def fill_masks(states: list[GuidedState], batch, ring: BitmaskRing | None = None
         rows = bitmask.numpy()
     batch.batch_fill_next_token_bitmask([state.matcher for state in todo], bitmask)
     for row, state in enumerate(todo):
-        state._mask = bitmask[row:row + 1]
         state._rows = rows
         state._row = row
         state._filled = True
