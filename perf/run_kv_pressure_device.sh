@@ -44,10 +44,13 @@ if has groups; then
   step bench_groups "${GROUPS_LIMIT:-270}" "$PY" -m perf.bench_sequence_groups ${GROUPS_ARGS:-} --out "$OUT/sequence_groups.json"
 fi
 if has guided || has guided-pyspy || has guided-server; then
-  # xgrammar and jsonschema from the bundle's part 2 (carry build/bundle/part2/guided.tar.xz)
-  if ! "$PY" -c "import xgrammar" 2> /dev/null && [ -f build/bundle/part2/guided.tar.xz ]; then
-    tar -xJf build/bundle/part2/guided.tar.xz -C "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  fi
+  # xgrammar and jsonschema from the bundle's part 2 (carry build/bundle/part2/guided.tar.xz),
+  # into the bundle's venv (the engine) and its NumPy 1 venv (preprocessing checks the specs)
+  for python in "$PY" "$PREFIX/venv-np1/bin/python"; do
+    if ! "$python" -c "import xgrammar, jsonschema" 2> /dev/null && [ -f build/bundle/part2/guided.tar.xz ]; then
+      tar -xJf build/bundle/part2/guided.tar.xz -C "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    fi
+  done
 fi
 if has guided; then
   step bench_guided "${GUIDED_LIMIT:-300}" "$PY" -m perf.bench_guided ${GUIDED_ARGS:-} --out "$OUT/guided.json"

@@ -165,6 +165,27 @@ def test_bad_schema_in_a_burst_fails_alone(smollm2_loaded, smollm2_tokenizer):
     assert results["d"][1] is FinishReason.LENGTH and len(results["d"][0]) == 4
 
 
+def test_schema_only_the_meta_schema_refuses_fails_its_request_alone(smollm2_loaded, smollm2_tokenizer):
+    """A schema that parses and compiles but is not a valid JSON Schema (a boolean property
+    whose description is a number, which xgrammar would take) passes add_request (its step-thread check skips `jsonschema`'s
+    meta-schema check) and fails alone from the compile worker, naming the field and the
+    place; the requests beside it finish, and a second request with it fails the same way."""
+    engine = make_engine(smollm2_loaded, smollm2_tokenizer)
+    ids = prompt_ids(smollm2_tokenizer, "Answer:")
+    bad = json_schema_spec({"type": "object", "properties": {"a": {"type": "boolean", "description": 5}},
+                            "required": ["a"]})
+    results = run(engine, [("bad", ids, SamplingParams(max_tokens=8, guided=bad)),
+                           ("good", ids, SamplingParams(max_tokens=8, guided=json_schema_spec({"type": "boolean"}))),
+                           ("free", ids, SamplingParams(max_tokens=4)),
+                           ("bad-again", ids, SamplingParams(max_tokens=8, guided=bad))])
+    for request_id in ("bad", "bad-again"):
+        tokens, reason, error = results[request_id]
+        assert reason is FinishReason.ERROR and tokens == []
+        assert error.startswith("guided_json: not a valid JSON Schema at #/properties/a/description"), error
+    assert smollm2_tokenizer.decode(results["good"][0]) in ("true", "false")
+    assert results["free"][1] is FinishReason.LENGTH and len(results["free"][0]) == 4
+
+
 def test_compile_error_fails_only_its_request(smollm2_loaded, smollm2_tokenizer):
     engine = make_engine(smollm2_loaded, smollm2_tokenizer)
     ids = prompt_ids(smollm2_tokenizer, "Answer:")
