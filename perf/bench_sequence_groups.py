@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
         runner.cascade_mode = "auto"
         report["profile_n8"] = profile_run(
-            lambda: drive(engine, [(p, sampled, GroupParams(n=8)) for p in prompts_of(prompts, long_prompt, vocab, 6)],
+            lambda engine=engine: drive(engine, [(p, sampled, GroupParams(n=8))
+                                                for p in prompts_of(prompts, long_prompt, vocab, 6)],
                           "n8-profile"), "n=8, cascade auto")
         runner.cascade_mode = mode
     del engine, runner

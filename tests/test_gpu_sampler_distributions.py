@@ -396,3 +396,39 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_neighbours(params):
     assert run(neighbours, 2, 1) == alone
     assert run(neighbours[:1], 1, 7) == alone
     assert run([], 0, 0, dataclasses.replace(params, seed=12)) != alone
+
+
+def test_seeded_noise_is_exponential_and_a_function_of_seed_draw_and_entry():
+    from inflightllm.gpu.sampler import seeded_exponential
+
+    first = seeded_exponential(11, 0, 200_000)
+    assert first.dtype == np.float32 and np.array_equal(first, seeded_exponential(11, 0, 200_000))
+    assert np.array_equal(seeded_exponential(11, 0, 1000), first[:1000])  # a prefix: the length cuts, no more
+    assert (first > 0).all() and abs(first.mean() - 1.0) < 0.01 and abs(first.var() - 1.0) < 0.02
+    # P(E > t) = exp(-t) at a few points (Exp(1)), within ~5 standard errors
+    for t in (0.1, 1.0, 3.0):
+        p = math.exp(-t)
+        assert abs((first > t).mean() - p) < 5 * math.sqrt(p * (1 - p) / len(first))
+    for other in (seeded_exponential(11, 1, 1000), seeded_exponential(12, 0, 1000),
+                  seeded_exponential(2**63 - 1, 5, 1000)):
+        assert not np.array_equal(other, first[:1000])
+        assert abs(np.corrcoef(other, first[:1000])[0, 1]) < 0.15
+
+
+def test_a_seeded_rows_draws_follow_its_token_count_not_the_sampler_it_is_on():
+    """The k-th draw of a seeded row depends on k (the tokens it generated before), so a
+    request preempted and resumed on a fresh row, or run in another batch, draws what it
+    would have drawn."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    vocab = 300
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(4))
+    states = [request(params, name="s")]
+
+    def tokens(counts: list[int], sampler_seed: int, row: int) -> list[int]:
+        sampler, rows = sampler_for(states, seed=sampler_seed, rows=[row])
+        return [sampler.sample(logits[k:k + 1].clone(), rows, states, np.array([k])).token_ids[0].item()
+                for k in counts]
+
+    whole = tokens(list(range(8)), 0, 0)
+    assert tokens([5, 6, 7], 3, 9) == whole[5:]  # resumed elsewhere at its 5th token
+    assert len(set(whole)) > 1

@@ -14,8 +14,11 @@ match the CPU reference sampler (`inflightllm/sampler.py`); how, and where ties 
   mass of the probabilities of logits >= t), no sort and no host sync. The threshold
   found is exactly the smallest logit the reference keeps.
 - The draw is the exponential race (argmax of p / E with E ~ Exp(1)), which samples from
-  p. A seeded row draws its own E, of a length fixed by its own settings: its tokens do
-  not depend on its batch neighbours.
+  p. A seeded row's E is a function of its seed, its draw's index (the tokens it generated
+  before) and the entry (`seeded_exponential`, counter-based: all seeded rows in one
+  kernel, where a torch generator per row cost a launch and ~0.1 ms of host time per row
+  per step), over a length fixed by its own settings: its tokens depend on neither its
+  batch neighbours nor a preemption.
 - Penalties read per-row token counts kept on the device (`PenaltyCounts`), updated from
   the sampled ids on the device: all penalty rows in one set of ops, no host round trip.
 - Log probs are of the raw model distribution: one log-sum-exp per row, the chosen logit
@@ -238,7 +241,9 @@ class GpuSampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        self.row_generators: dict[int, torch.Generator] = {}
+        # Seeded rows (their E from `seeded_exponential`): the seed of each row, and which are.
+        self.row_seed = np.zeros(max_rows, np.int64)
+        self.row_seeded = np.zeros(max_rows, bool)
         self.stop_ids: dict[int, np.ndarray] = {}  # row -> its stop ids, for rows with min_tokens
         self.penalty_counts = PenaltyCounts(device, max_rows)
 
@@ -248,19 +253,16 @@ class GpuSampler:
             self.stop_ids[row] = np.array(sorted(request.stop_token_ids), np.int64)
         else:
             self.stop_ids.pop(row, None)
-        if request.params.seed is not None and not request.params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(request.params.seed)
-            self.row_generators[row] = generator
-        else:
-            self.row_generators.pop(row, None)
+        seeded = request.params.seed is not None and not request.params.greedy
+        self.row_seeded[row] = seeded
+        self.row_seed[row] = request.params.seed if seeded else 0
         if self.params.penalized[row]:
             self.penalty_counts.add_row(row, request)
         else:
             self.penalty_counts.remove_row(row)
 
     def remove_row(self, row: int) -> None:
-        self.row_generators.pop(row, None)
+        self.row_seeded[row] = False
         self.stop_ids.pop(row, None)
         self.penalty_counts.remove_row(row)
 
@@ -305,9 +307,14 @@ class GpuSampler:
             token_ids = (torch.argmax(work, dim=-1) if greedy.any()
                          else torch.empty(m, dtype=torch.int64, device=logits.device))
             top_k_group, full_group = self._top_k_groups(rows, vocab)
+            draws = None  # each row's draw index: the tokens it generated before this one (seeded rows)
+            if self.row_seeded[rows].any():
+                draws = (np.asarray(output_counts, np.int64) if output_counts is not None else
+                         np.fromiter((r.num_output_tokens for r in requests), np.int64, len(requests)))
             for group, draw in ((top_k_group, self._sample_top_k), (full_group, self._sample_full)):
                 if len(group):
-                    token_ids = _put(token_ids, group, draw(_take(work, group, self.upload), rows[group]), self.upload)
+                    token_ids = _put(token_ids, group, draw(_take(work, group, self.upload), rows[group],
+                                                            None if draws is None else draws[group]), self.upload)
         result.token_ids = token_ids
 
         penalized = np.flatnonzero(p.penalized[rows])
@@ -434,13 +441,13 @@ class GpuSampler:
                                                                             rows[full_group]))
         return out / out.sum(dim=-1, keepdim=True)
 
-    def _sample_top_k(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    def _sample_top_k(self, logits: torch.Tensor, rows: np.ndarray, draws: np.ndarray | None = None) -> torch.Tensor:
         weights, indices = self._top_k_weights(logits, rows)
         lengths = candidates(self.params.top_k[rows], logits.shape[1])
-        return indices.gather(1, self._race(weights, rows, lengths)[:, None]).squeeze(1)
+        return indices.gather(1, self._race(weights, rows, lengths, draws)[:, None]).squeeze(1)
 
-    def _sample_full(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        return self._race(self._full_weights(logits, rows), rows, None)
+    def _sample_full(self, logits: torch.Tensor, rows: np.ndarray, draws: np.ndarray | None = None) -> torch.Tensor:
+        return self._race(self._full_weights(logits, rows), rows, None, draws)
 
     def _top_k_weights(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows with 0 < top_k <= TOP_K_MAX: [r, vocab] logits (any float dtype) -> the
@@ -500,19 +507,114 @@ class GpuSampler:
             probs.masked_fill_(probs < minimum * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
-    def _race(self, probs: torch.Tensor, rows: np.ndarray, lengths: np.ndarray | None) -> torch.Tensor:
+    def _race(self, probs: torch.Tensor, rows: np.ndarray, lengths: np.ndarray | None,
+              draws: np.ndarray | None = None) -> torch.Tensor:
         """argmax of probs / E, E ~ Exp(1) per entry: a draw from probs (unnormalised).
-        A seeded row draws its E from its own generator, over its own `lengths[i]` entries
-        (all of them where lengths is None): a length its own settings fix, so its draw
-        does not depend on the rows beside it."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        if self.row_generators:
-            for index, row in enumerate(rows.tolist()):
-                generator = self.row_generators.get(row)
-                if generator is not None:
-                    end = probs.shape[1] if lengths is None else int(lengths[index])
-                    noise[index, :end].exponential_(generator=generator)
+        A seeded row's E is `seeded_exponential(seed, draws[i])` over its own `lengths[i]`
+        entries (all of them where lengths is None): a length its own settings fix, so its
+        draw depends on neither the rows beside it nor the sampler's generator."""
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(
+            generator=self.generator)
+        seeded = np.flatnonzero(self.row_seeded[rows])
+        if len(seeded):
+            width = probs.shape[1]
+            ends = (np.full(len(seeded), width, np.int64) if lengths is None
+                    else np.minimum(np.asarray(lengths, np.int64)[seeded], width))
+            counters = np.zeros(len(seeded), np.int64) if draws is None else np.asarray(draws, np.int64)[seeded]
+            write_seeded_exponential(noise, seeded, self.row_seed[rows[seeded]], counters, ends, self.upload)
         return torch.argmax(probs / noise, dim=-1)
+
+
+# ---- seeded rows' noise: counter-based, all rows at once --------------------------------------
+# E[j] = -log(u), u = ((h >> 40) + 0.5) / 2**24 in (0, 1), h = mix(key + (j + 1) * GOLDEN),
+# key = mix(mix(seed) + counter): splitmix64's finaliser (`mix`) over the seed, the draw's index
+# and the entry. The CUDA kernel and `seeded_exponential` (NumPy, the CPU device's and the
+# tests' reference) compute the same bits; -log differs by at most an ulp or two.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+_SEEDED_EXPONENTIAL_SOURCE = r"""
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+// noise [*, row_stride] float32: row index[i] gets E over its first lengths[i] entries.
+// grid (x, number of seeded rows), any x; 256 threads.
+extern "C" __global__ void seeded_exponential(float* __restrict__ noise, long long row_stride,
+                                              const long long* __restrict__ index,
+                                              const long long* __restrict__ seeds,
+                                              const long long* __restrict__ counters,
+                                              const long long* __restrict__ lengths) {
+    const int i = blockIdx.y;
+    const long long length = lengths[i];
+    const unsigned long long key = mix64(mix64((unsigned long long)seeds[i]) + (unsigned long long)counters[i]);
+    float* row = noise + index[i] * row_stride;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < length;
+         j += (long long)gridDim.x * blockDim.x) {
+        const unsigned long long bits = mix64(key + (unsigned long long)(j + 1) * 0x9E3779B97F4A7C15ULL);
+        const float u = ((float)(bits >> 40) + 0.5f) * 5.9604644775390625e-08f;
+        row[j] = -logf(u);
+    }
+}
+"""
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_exponential(seed: int, counter: int, length: int) -> np.ndarray:
+    """[length] float32: a seeded row's E for its draw number `counter` (the reference)."""
+    with np.errstate(over="ignore"):
+        key = _mix64(_mix64(np.array([seed & _MASK64], np.uint64)) + np.uint64(counter & _MASK64))
+        entries = np.arange(1, length + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+        bits = _mix64(key + entries)
+    u = ((bits >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    return -np.log(u)
+
+
+_SEEDED_KERNELS: dict[int, object] = {}
+
+
+def _seeded_kernel(device: int):
+    kernel = _SEEDED_KERNELS.get(device)
+    if kernel is None:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            kernel = cupy.RawKernel(_SEEDED_EXPONENTIAL_SOURCE, "seeded_exponential")
+            kernel.compile()
+        kernel = _SEEDED_KERNELS[device] = kernel
+    return kernel
+
+
+def write_seeded_exponential(noise: torch.Tensor, index: np.ndarray, seeds: np.ndarray, counters: np.ndarray,
+                             lengths: np.ndarray, upload) -> None:
+    """Rows `index` of `noise` ([r, width] float32) get their seeded E over their first
+    `lengths` entries: one kernel for all of them on CUDA (no host sync), the NumPy
+    reference on the CPU."""
+    if noise.device.type != "cuda":
+        for i, row in enumerate(np.asarray(index).tolist()):
+            end = int(lengths[i])
+            noise[row, :end] = torch.from_numpy(seeded_exponential(int(seeds[i]), int(counters[i]), end))
+        return
+    if noise.dtype != torch.float32 or noise.stride(1) != 1:
+        raise ValueError(f"seeded noise: float32 rows of unit stride expected, got {noise.dtype} {noise.stride()}")
+    from inflightllm.gpu import ops
+
+    packed = upload(np.stack([np.asarray(index, np.int64), np.asarray(seeds, np.int64),
+                              np.asarray(counters, np.int64), np.asarray(lengths, np.int64)]))
+    threads = 256
+    blocks = max(1, min(64, -(-int(np.max(lengths)) // (threads * 4))))
+    with ops.torch_stream():
+        _seeded_kernel(noise.device.index)(
+            (blocks, len(index)), (threads,),
+            (ops._ptr(noise), np.int64(noise.stride(0)), ops._ptr(packed[0]), ops._ptr(packed[1]),
+             ops._ptr(packed[2]), ops._ptr(packed[3])))
 
 
 def _float_key(values: torch.Tensor) -> torch.Tensor:

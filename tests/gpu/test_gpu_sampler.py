@@ -214,3 +214,25 @@ def test_presence_and_frequency_penalties_async_equal_sync(fp32_engine):
         results[mode] = generate(engine, prompts, params, [0, 0, 1, 1, 2, 4])
     assert results[True] == results[False]
     assert all(len(ids) == 24 for ids in results[True])
+
+
+def test_seeded_noise_kernel_equals_the_reference():
+    """`seeded_exponential` on CUDA (one kernel for all seeded rows) against the NumPy
+    reference: each seeded row's first `length` entries, the same bits, so -log within a
+    few ulp; the entries past its length and the other rows untouched."""
+    from inflightllm.gpu.sampler import seeded_exponential, write_seeded_exponential
+    from inflightllm.gpu.staging import PinnedStaging
+
+    width = 128_256
+    noise = torch.full((6, width), -1.0, device=CUDA)
+    index = np.array([0, 2, 3, 5])
+    seeds = np.array([0, 7, 2**63 - 1, 123456789], np.int64)
+    counters = np.array([0, 3, 1000, 2**40], np.int64)
+    lengths = np.array([width, 17, 1, 4096], np.int64)
+    write_seeded_exponential(noise, index, seeds, counters, lengths, PinnedStaging(CUDA).upload)
+    got = noise.cpu().numpy()
+    for i, row in enumerate(index):
+        want = seeded_exponential(int(seeds[i]), int(counters[i]), int(lengths[i]))
+        np.testing.assert_allclose(got[row, : lengths[i]], want, rtol=5e-7, atol=0)
+        assert (got[row, lengths[i]:] == -1.0).all()
+    assert (got[[1, 4]] == -1.0).all()
