@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inflightllm.attention.cuda import ops
-from inflightllm.attention.cuda.backend import CASCADE_MIN_SAVED_BYTES, plan_cascade
+from inflightllm.attention.cuda.backend import CASCADE_MIN_DECODE_READ_BYTES, CASCADE_MIN_SAVED_BYTES, plan_cascade
 
 
 def tables_of(sequences, width):
@@ -64,15 +64,22 @@ def test_nothing_shared_or_too_little_saved_or_off():
     assert plan_cascade(tables_of(pair, 3), context, bs, mode="auto", bytes_per_token=2 << 20) is None  # 32 tokens
     assert plan_cascade(tables_of(pair, 3), context, bs, mode="off") is None
     # auto: n = 8 sequences over a 2,048-token prompt, Llama-3.1-8B's 128 KiB of K/V a token:
-    # 1.75 GiB saved, not enough alone; eight such requests are
-    blocks = 2048 // bs
+    # 1.75 GiB saved, not enough alone; 64 such requests save enough, but their 512 decodes
+    # read 128 GiB without cascade: a step the host's eager launches would bound; over
+    # 4,096-token prompts they read 256 GiB
     per_token = 128 << 10
+    blocks = 2048 // bs
     eight = [list(range(blocks)) + [1000 + i] for i in range(8)]
     assert plan_cascade(tables_of(eight, blocks + 1), np.full(8, 2048 + 5), bs, "auto", per_token) is None
-    many = [[r * 1000 + b for b in range(blocks)] + [10**6 + r * 8 + i] for r in range(8) for i in range(8)]
-    plan = plan_cascade(tables_of(many, blocks + 1), np.full(64, 2048 + 5), bs, "auto", per_token)
-    assert plan is not None and plan.num_groups == 8
-    assert plan.saved_tokens * per_token == 8 * 7 * 2048 * per_token >= CASCADE_MIN_SAVED_BYTES
+    for prompt, expected in ((2048, None), (4096, 64)):
+        blocks = prompt // bs
+        many = [[r * 10_000 + b for b in range(blocks)] + [10**7 + r * 8 + i] for r in range(64) for i in range(8)]
+        context = np.full(512, prompt + 5)
+        plan = plan_cascade(tables_of(many, blocks + 1), context, bs, "auto", per_token)
+        assert (plan and plan.num_groups) == expected, prompt
+        saved = 64 * 7 * prompt * per_token
+        assert saved >= CASCADE_MIN_SAVED_BYTES
+        assert (float(context.sum()) * per_token >= CASCADE_MIN_DECODE_READ_BYTES) == (expected is not None)
 
 
 def test_large_sets_are_cut_into_groups_of_max_width():

@@ -111,16 +111,21 @@ class PinnedHostTensor:
 
 
 # Cascade decode (plan_cascade): INFLIGHTLLM_CASCADE_DECODE = auto (the default: when it
-# saves enough reads, below), always (whenever decodes share a block: tests), off. Measured on
-# an H200, n = 8 over 64 prompts of 2,048 tokens: 6,799 output tok/s with it (the prefix on
-# tensor cores, cascade_prefix_mma) against 5,965 without (docs/SEQUENCE-GROUPS.md).
+# pays, below), always (whenever decodes share a block: tests), off. A cascade step runs
+# eagerly (no CUDA graph of its shape): measured on an H100 host (2026-12-05), n = 8 over 64
+# prompts of 2,048 tokens, its launch took 70-83 ms of host time a step against the GPU's
+# 60 ms for the same step without cascade (graph replay, 33 ms of host): 5,168 output tok/s
+# with it, 5,856 without (docs/SEQUENCE-GROUPS.md).
 CASCADE_MODES = ("auto", "always", "off")
 CASCADE_DEFAULT = "auto"
 # auto: a step's shared prefixes must save at least this many bytes of K/V reads (all layers,
-# summed over the decodes: 8 GiB is ~2 ms of HBM on an H200, about what the eager step's
-# launches cost against a CUDA graph's replay) and this fraction of all its decode reads.
+# summed over the decodes) and this fraction of all its decode reads;
 CASCADE_MIN_SAVED_BYTES = 8 << 30
 CASCADE_MIN_SAVED_FRACTION = 0.25
+# and the step's decodes must read at least this much without it: attention reads that take
+# longer than an eager step's launches (256 GiB is ~70 ms at 4 TB/s), so that the step is
+# bound by the GPU, whose time cascade cuts, and not by the host, whose time it adds to.
+CASCADE_MIN_DECODE_READ_BYTES = 256 << 30
 # auto: a group's prefix counts from this many tokens (a short prompt's beams gain less than
 # the eager step costs: 256 x beam_width 4 over 128-token prompts ran 2.2x slower with it).
 CASCADE_MIN_PREFIX_TOKENS = 512
@@ -222,7 +227,8 @@ def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, 
         return None
     saved = sum((len(chunk) - 1) * blocks * block_size for chunk, blocks in groups)
     if mode == "auto" and (saved * bytes_per_token < CASCADE_MIN_SAVED_BYTES
-                           or saved < CASCADE_MIN_SAVED_FRACTION * float(context_lens.sum())):
+                           or saved < CASCADE_MIN_SAVED_FRACTION * float(context_lens.sum())
+                           or float(context_lens.sum()) * bytes_per_token < CASCADE_MIN_DECODE_READ_BYTES):
         return None
     width = max(len(chunk) for chunk, _ in groups)
     prefix_width = max(blocks for _, blocks in groups)
