@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from inflightllm.attention.cuda import ops
-from inflightllm.attention.cuda.backend import CASCADE_MIN_DECODE_READ_BYTES, CASCADE_MIN_SAVED_BYTES, plan_cascade
+from inflightllm.attention.cuda.backend import (
+    CASCADE_MIN_DECODE_READ_BYTES,
+    CASCADE_MIN_SAVED_BYTES,
+    plan_cascade,
+)
 
 
 def tables_of(sequences, width):
