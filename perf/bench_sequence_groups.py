@@ -77,18 +77,17 @@ def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupP
         engine.add_request(f"{tag}-{index}", prompt, params, group=group)
     tokens = 0
     peak_used = 0
-    decode_from = None  # the first step with no prompt tokens and nothing waiting: decode alone from there
-    decode_steps_before = 0
+    decode_from = None  # (time, steps) at the first step with no prompt tokens and nothing waiting
     while engine.has_unfinished():
         for output in engine.step():
             if output.error is not None:
                 raise RuntimeError(f"{tag}: {output.error}")
             tokens += len(output.new_token_ids)
         peak_used = max(peak_used, engine.block_manager.num_used_blocks)
-        if (decode_from is None and not engine.scheduler.waiting
-                and 0 < engine.stats().num_tokens_last_step <= len(engine.scheduler.running)):
-            decode_from = (time.perf_counter(), tokens)
-            decode_steps_before = engine.stats().num_steps_total
+        if decode_from is None and not engine.scheduler.waiting:
+            now = engine.stats()
+            if 0 < now.num_tokens_last_step <= len(engine.scheduler.running):
+                decode_from = (time.perf_counter(), now.num_steps_total)
     sync()
     seconds = time.perf_counter() - start
     stats = engine.stats()
@@ -101,7 +100,7 @@ def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams, GroupP
     phases = {}
     if decode_from is not None:  # the prefill phase (prompts, with decodes beside them) and the decode-only one
         decode_s = time.perf_counter() - decode_from[0]
-        decode_steps = stats.num_steps_total - decode_steps_before
+        decode_steps = stats.num_steps_total - decode_from[1]
         phases = {"until_decode_only_s": round(decode_from[0] - start, 3), "decode_only_s": round(decode_s, 3),
                   "decode_only_steps": decode_steps,
                   "decode_only_ms_per_step": round(decode_s * 1e3 / max(1, decode_steps), 2)}

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from inflightllm.guided.matcher import BitmaskRing
 from inflightllm.guided.spec import GuidedSpec, GuidedSpecError, _short, check_spec, choice_grammar
 
 DEFAULT_CACHE_ENTRIES = 256
@@ -68,7 +69,7 @@ class GrammarCompilerPool:
         self.compile_seconds: list[float] = []
         self._batch_matcher = None  # (mask_threads, xgrammar.BatchGrammarMatcher)
         self._accept_executor = None  # (mask_threads, ThreadPoolExecutor)
-        self.mask_ring = None  # matcher.BitmaskRing: the arrays the step's masks are filled in
+        self.mask_ring = BitmaskRing()  # the arrays the step's masks are filled in
         self.mask_threads = default_mask_threads()  # set before the first constrained step
 
     def submit(self, spec: GuidedSpec) -> Future:
@@ -158,10 +159,6 @@ class GrammarCompilerPool:
         if self._batch_matcher is None or self._batch_matcher[0] != self.mask_threads:
             import xgrammar as xgr
 
-            from inflightllm.guided.matcher import BitmaskRing
-
-            if self.mask_ring is None:
-                self.mask_ring = BitmaskRing()
             self._batch_matcher = (self.mask_threads, xgr.BatchGrammarMatcher(max_threads=self.mask_threads))
         return self._batch_matcher[1]
 
