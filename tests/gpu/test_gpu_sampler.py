@@ -236,3 +236,24 @@ def test_seeded_noise_kernel_equals_the_reference():
         np.testing.assert_allclose(got[row, : lengths[i]], want, rtol=5e-7, atol=0)
         assert (got[row, lengths[i]:] == -1.0).all()
     assert (got[[1, 4]] == -1.0).all()
+
+
+@pytest.mark.parametrize("dtype,rows,vocab", [(torch.bfloat16, 512, 128256), (torch.float32, 64, 5000),
+                                              (torch.float16, 3, 50)])
+def test_top_p_threshold_kernel_equals_the_bisection(dtype, rows, vocab):
+    """largest_mass_threshold (32 thresholds a pass, one kernel) finds the same logit as the
+    halving bisection `_largest_threshold` (torch ops), for top_p from 0.01 to 0.999 and 1
+    (nothing masked: -inf), on Llama 3's vocabulary in bf16 and on small float32/fp16 rows."""
+    from inflightllm.gpu.sampler import _largest_threshold, largest_mass_threshold
+
+    generator = torch.Generator(CUDA).manual_seed(5)
+    logits = (torch.randn(rows, vocab, device=CUDA, generator=generator) * 3).to(dtype)
+    probs = torch.softmax(logits.float() / 0.8, dim=-1)
+    top_p = torch.tensor([0.01, 0.3, 0.9, 0.95, 0.999, float("inf")], device=CUDA).repeat(rows)[:rows]
+    low = torch.full((rows,), float("-inf"), dtype=dtype, device=CUDA)
+    high = logits.amax(dim=-1)
+    expected = _largest_threshold(top_p, lambda t: torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1),
+                                  low, high)
+    got = largest_mass_threshold(logits, probs, top_p, low, high)
+    assert got.dtype == dtype
+    assert torch.equal(got, expected), (got != expected).nonzero().flatten().tolist()[:10]
