@@ -202,7 +202,7 @@ def profile_decode(engine: Engine, batch: int, steps: int = 10) -> list[dict]:
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("attention decode, cascade", ("cascade_prefix", "merge_partials")),
+    ("attention decode, cascade", ("cascade_prefix", "cascade_merge")),
     ("attention decode", ("paged_decode", "decode_reduce")),
     ("attention prefill", ("prefill_mma", "prefill_fma", "flash", "fmha", "gather_kv")),
     ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitK", "small_gemv", "gate_up_norm", "qkv_norm")),

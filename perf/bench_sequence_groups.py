@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     if has_cascade:  # cascade decode (INFLIGHTLLM_CASCADE_DECODE) as auto decides, then off
         runner.cascade_mode = "auto"
     cascade_before = getattr(runner, "cascade_steps", 0)
+    graph_before = getattr(runner, "cascade_graph_steps", 0)
     groups = drive(engine, [(p, sampled, GroupParams(n=8)) for p in texts], "n8")
     groups["cascade_steps"] = getattr(runner, "cascade_steps", 0) - cascade_before
+    groups["cascade_graph_steps"] = getattr(runner, "cascade_graph_steps", 0) - graph_before
     plain = None
     other_mode = "off" if groups["cascade_steps"] else "always"
     if has_cascade:
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(peak {groups['peak_kv_blocks_used']} blocks); 8 separate requests each, no prefix cache: "
           f"{separate['output_tok_s']:.0f} (peak {separate['peak_kv_blocks_used']} blocks): ratio "
           f"{report['parallel_sampling']['throughput_ratio']:.2f} (goal >= 5); cascade decode in "
-          f"{groups['cascade_steps']} of {groups['steps']} steps"
+          f"{groups['cascade_steps']} of {groups['steps']} steps ({groups['cascade_graph_steps']} as CUDA graphs)"
           + (f"; cascade {other_mode}: {plain['output_tok_s']:.0f} tok/s ({plain['cascade_steps']} cascade steps)"
              if plain else ""), flush=True)
     for name, run in (("groups", groups), (f"cascade {other_mode}", plain), ("separate", separate)):

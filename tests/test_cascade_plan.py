@@ -92,13 +92,62 @@ def test_large_sets_are_cut_into_groups_of_max_width():
     context = np.full(11, 3 * bs + 1)
     plan = plan_cascade(tables_of(sequences, 4), context, bs, mode="always", max_width=4)
     assert plan.num_groups == 3 and plan.width == 4  # 4 + 4 + 3 (padded with a repeated member)
-    assert sorted(plan.member_rows[plan.valid_index].tolist()) == list(range(11))
+    assert sorted(plan.member_rows[plan.prefix_slot].tolist()) == list(range(11))
     # 9 = 4 + 4 + 1: the lone remainder attends its whole context itself
     plan = plan_cascade(tables_of(sequences[:9], 4), context[:9], bs, mode="always", max_width=4)
     assert plan.num_groups == 2
-    assert 8 not in plan.member_rows[plan.valid_index].tolist()
+    assert plan.prefix_slot[8] == 2 * 4  # in no group: the slot past the members
+    assert 8 not in plan.member_rows.tolist()
     assert plan.suffix_lens.tolist() == [1] * 8 + [3 * bs + 1]
     assert plan.suffix_tables[8].tolist() == [1, 2, 3, 108]
+
+
+def test_every_member_has_its_slot_and_the_rest_none():
+    bs = 16
+    prefix = [1, 2, 3]
+    sequences = [prefix + [10 + i] for i in range(3)] + [[50, 51]] + [prefix + [20 + i] for i in range(2)]
+    context = np.array([3 * bs + 2] * 3 + [bs + 4] + [3 * bs + 2] * 2)
+    plan = plan_cascade(tables_of(sequences, 4), context, bs, mode="always")
+    assert plan.num_groups == 1 and plan.width == 5
+    slots = plan.prefix_slot.tolist()
+    assert slots[3] == 5  # the lone decode: groups * width
+    assert [plan.member_rows[slots[r]] for r in (0, 1, 2, 4, 5)] == [0, 1, 2, 4, 5]
+
+
+def test_padded_layout_keeps_each_decode_on_its_member():
+    """A CUDA graph's shape (more groups, wider): padded members repeat their group's first,
+    padded groups have empty prefixes, each decode's slot still names its own row, and a
+    decode in no group gets the new layout's empty slot."""
+    bs = 16
+    sequences = ([[1, 2, 3, 10 + i] for i in range(3)] + [[5, 6, 7, 20 + i] for i in range(2)]
+                 + [[90, 91, 92, 93]])
+    context = np.full(6, 3 * bs + 9)
+    plan = plan_cascade(tables_of(sequences, 4), context, bs, mode="always")
+    assert plan.num_groups == 2 and plan.width == 3
+    rows, slot, tables, lens = plan.padded(4, 8)
+    assert rows.shape == (32,) and tables.shape == (4, 3) and lens.tolist() == [3 * bs, 3 * bs, 0, 0]
+    for decode in range(5):
+        assert rows[slot[decode]] == decode
+    assert slot[5] == 4 * 8
+    group_of = {decode: int(slot[decode]) // 8 for decode in range(5)}
+    for decode, group in group_of.items():
+        assert tables[group].tolist() == sequences[decode][:3]
+        assert set(rows[group * 8 : (group + 1) * 8].tolist()) <= {d for d, g in group_of.items() if g == group}
+    assert (tables[2:] == 0).all()
+    with pytest.raises(AssertionError):
+        plan.padded(1, 8)
+
+
+def test_auto_with_graphs_does_not_weigh_eager_launches():
+    """With cascade steps replayed as CUDA graphs, auto drops the eager-launch condition:
+    n = 8 over 64 prompts of 2,048 tokens (128 GiB of decode reads) uses cascade."""
+    bs, per_token = 16, 128 << 10
+    blocks = 2048 // bs
+    many = [[r * 10_000 + b for b in range(blocks)] + [10**7 + r * 8 + i] for r in range(64) for i in range(8)]
+    context = np.full(512, 2048 + 5)
+    assert plan_cascade(tables_of(many, blocks + 1), context, bs, "auto", per_token) is None
+    plan = plan_cascade(tables_of(many, blocks + 1), context, bs, "auto", per_token, graphs=True)
+    assert plan is not None and plan.num_groups == 64 and plan.width == 8
 
 
 def partials_of(q, k, v, scale_log2, splits):
@@ -153,3 +202,40 @@ def test_auto_skips_short_prefixes():
     per_token = 128 << 10
     assert plan_cascade(tables_of(tables, 9), context, bs, "auto", per_token) is None
     assert plan_cascade(tables_of(tables, 9), context, bs, "always", per_token) is not None
+
+
+def test_a_cascade_shape_gets_its_graph_the_second_time(monkeypatch):
+    """gpu/runner.py `_cascade_graph_key`: groups and width rounded up to buckets; a shape's
+    first step runs eagerly, its second gets the graph key; past CASCADE_GRAPHS_MAX captured
+    shapes, new ones stay eager; no graphs (cuda_graphs off) or no bucket: eager."""
+    from types import SimpleNamespace
+
+    from inflightllm.gpu import runner as gpu_runner
+
+    runner = object.__new__(gpu_runner.GpuModelRunner)
+    runner.max_rows, runner.graph_pool = 1024, object()
+    runner.cascade_graphs, runner._cascade_shapes_seen = {}, set()
+    plan = SimpleNamespace(num_groups=60, width=7)
+    assert runner._cascade_graph_key(512, plan) is None
+    key = runner._cascade_graph_key(512, plan)
+    assert key == (512, 64, 8)
+    runner.cascade_graphs[key] = None
+    assert runner._cascade_graph_key(512, SimpleNamespace(num_groups=49, width=5)) == key
+    assert runner._cascade_graph_key(None, plan) is None and runner._cascade_graph_key(512, None) is None
+    monkeypatch.setattr(gpu_runner, "CASCADE_GRAPHS_MAX", 1)
+    other = SimpleNamespace(num_groups=3, width=2)
+    assert runner._cascade_graph_key(64, other) is None and runner._cascade_graph_key(64, other) is None
+    runner.graph_pool = None
+    assert runner._cascade_graph_key(512, plan) is None
+    assert gpu_runner.cascade_group_buckets(1024)[-1] == 512
+
+
+def test_prefix_splits_fill_the_waves():
+    """ops.cascade_prefix_splits: n = 8 over 64 prompts (512 blocks without splits on 132
+    SMs, 1.3 waves) gets 3 splits (3.9 waves); a few groups get the most; a grid of many
+    waves gets none; always 1..most."""
+    assert ops.cascade_prefix_splits(512, 132) == 3
+    assert ops.cascade_prefix_splits(24, 132) == ops.CASCADE_PREFIX_MAX_SPLITS
+    assert ops.cascade_prefix_splits(4096, 132) == 1
+    for blocks in range(1, 3000, 37):
+        assert 1 <= ops.cascade_prefix_splits(blocks, 132) <= ops.CASCADE_PREFIX_MAX_SPLITS

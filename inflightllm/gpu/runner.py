@@ -46,6 +46,17 @@ GRAPH_RESERVE_BYTES = 2 << 30  # CUDA-graph pools and workspaces left out of the
 LOGITS_GRAPH_MAX_BUCKET = 16
 
 
+# Cascade decode graphs (`_cascade_graph_key`): groups and widths rounded up to these, and
+# at most this many shapes captured.
+CASCADE_WIDTH_BUCKETS = (2, 4, 8, 16)
+CASCADE_GRAPHS_MAX = 48
+
+
+def cascade_group_buckets(max_batch_size: int) -> list[int]:
+    """Group counts of cascade graphs: a group has two sequences at least."""
+    return graph_buckets(max(1, max_batch_size // 2))
+
+
 def graph_buckets(max_batch_size: int) -> list[int]:
     """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, then every 16."""
     buckets = [b for b in (1, 2, 4, 8, 16) if b < max_batch_size]
@@ -154,6 +165,14 @@ class GpuModelRunner:
         # bucket -> (graph, its hidden states, its logits or None)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.graph_pool = None
+        self._capture_stream = None
+        # Cascade decode steps' graphs, captured the second time a shape is seen (the first
+        # runs eagerly: kernels compiled, nothing captured for a shape seen once):
+        # (decode bucket, groups bucket, width bucket) -> (graph, its hidden states).
+        self.cascade_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._cascade_shapes_seen: set[tuple[int, int, int]] = set()
+        self._cascade_buffers: dict[str, torch.Tensor] | None = None
+        self.cascade_graph_steps = 0
         if getattr(config, "cuda_graphs", True):
             self._capture_graphs()
 
@@ -344,7 +363,7 @@ class GpuModelRunner:
         context = num_computed[:num_decodes] + 1
         width = int(-(-int(context.max()) // self.block_size))
         return plan_cascade(self.block_table[rows[:num_decodes], :width], context, self.block_size,
-                            self.cascade_mode, self._kv_bytes_per_token)
+                            self.cascade_mode, self._kv_bytes_per_token, graphs=self.graph_pool is not None)
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_metadata(self, batch: int):
@@ -379,7 +398,7 @@ class GpuModelRunner:
         # current. A second engine on another GPU in the same process (two data-parallel
         # engines driven from one program) then captured its kernels on the first GPU's
         # stream, with its own GPU's pointers: an illegal address at replay.
-        capture_stream = torch.cuda.Stream(device=self.device)
+        capture_stream = self._capture_stream = torch.cuda.Stream(device=self.device)
         for batch in sorted(buckets, reverse=True):
             metadata = self._graph_metadata(batch)
             with ops.torch_stream():  # warm-up outside capture (kernel compilation, cuBLAS handles)
@@ -409,12 +428,97 @@ class GpuModelRunner:
         does not finish its teardown while they exist (pytorch/pytorch#115388)."""
         torch.cuda.synchronize(self.device)
         self.graphs.clear()
+        self.cascade_graphs.clear()
         self.graph_pool = None
         torch.cuda.synchronize(self.device)
 
     def _bucket(self, batch: int) -> int | None:
         candidates = [size for size in self.graphs if size >= batch]
         return min(candidates) if candidates else None
+
+    # ---- cascade decode graphs ----------------------------------------------------------
+    def _cascade_graph_key(self, bucket: int | None, plan) -> tuple[int, int, int] | None:
+        """The graph shape of a cascade step of `bucket` decodes (None: the step runs
+        eagerly): the plan's groups and width rounded up to buckets. A shape gets its graph
+        the second time it comes; the first runs eagerly, and at most
+        CASCADE_GRAPHS_MAX shapes are captured (the rest run eagerly)."""
+        if plan is None or bucket is None or self.graph_pool is None:
+            return None
+        groups = next(size for size in cascade_group_buckets(self.max_rows) if size >= plan.num_groups)
+        width = next(size for size in CASCADE_WIDTH_BUCKETS if size >= plan.width)
+        key = (bucket, groups, width)
+        if key in self.cascade_graphs:
+            return key
+        if key not in self._cascade_shapes_seen:
+            self._cascade_shapes_seen.add(key)
+            return None
+        return key if len(self.cascade_graphs) < CASCADE_GRAPHS_MAX else None
+
+    def _cascade_graph(self, key: tuple[int, int, int], plan, batch: int):
+        """The step's plan into the cascade graphs' static buffers (padded to the key's
+        shape: padded decodes in no group, padded groups with empty prefixes), and the graph
+        of that shape, captured now if it is new. Returns (graph, its hidden states)."""
+        bucket, groups, width = key
+        if self._cascade_buffers is None:
+            def zeros(*shape, dtype=torch.int64):
+                return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+            most = cascade_group_buckets(self.max_rows)[-1]
+            self._cascade_buffers = {
+                "member_rows": zeros(most * CASCADE_WIDTH_BUCKETS[-1]),
+                "prefix_slot": zeros(self.max_rows),
+                "prefix_tables": zeros(most, self.max_blocks_per_seq, dtype=torch.int32),
+                "prefix_lens": zeros(most, dtype=torch.int32),
+                "suffix_tables": zeros(self.max_rows, self.max_blocks_per_seq, dtype=torch.int32),
+                "suffix_lens": zeros(self.max_rows, dtype=torch.int32),
+            }
+        buffers = self._cascade_buffers
+        member_rows, slot, prefix_tables, prefix_lens = plan.padded(groups, width)
+        slots = np.full(bucket, groups * width, np.int64)  # padding decodes: in no group
+        slots[:batch] = slot
+        suffix_lens = np.ones(bucket, np.int32)  # padding decodes: one harmless key of block 0
+        suffix_lens[:batch] = plan.suffix_lens
+        longs = self.staging.upload(np.concatenate([member_rows, slots]))
+        ints = self.staging.upload(np.concatenate([prefix_lens, suffix_lens]))
+        buffers["member_rows"][: groups * width].copy_(longs[: groups * width])
+        buffers["prefix_slot"][:bucket].copy_(longs[groups * width :])
+        buffers["prefix_lens"][:groups].copy_(ints[:groups])
+        buffers["suffix_lens"][:bucket].copy_(ints[groups:])
+        blocks = prefix_tables.shape[1]
+        buffers["prefix_tables"][:groups, :blocks].copy_(self.staging.upload(prefix_tables))
+        blocks = plan.suffix_tables.shape[1]
+        buffers["suffix_tables"][:batch, :blocks].copy_(self.staging.upload(plan.suffix_tables))
+        if bucket > batch:
+            buffers["suffix_tables"][batch:bucket, 0].zero_()
+        if key not in self.cascade_graphs:
+            self.cascade_graphs[key] = self._capture_cascade(key)
+        return self.cascade_graphs[key]
+
+    def _capture_cascade(self, key: tuple[int, int, int]):
+        """Capture the decode step of `key`'s shape over the static buffers (filled for the
+        step about to replay it); nothing runs until the replay. Thread-local capture mode:
+        other threads' CUDA calls (the engine's, NCCL's watchdog) are not the capture's."""
+        from inflightllm.attention.cuda.backend import CascadeDecode
+
+        bucket, groups, width = key
+        buffers = self._cascade_buffers
+        metadata = self._graph_metadata(bucket)
+        metadata.cascade = CascadeDecode(
+            num_groups=groups, width=width,
+            member_rows=buffers["member_rows"][: groups * width], prefix_slot=buffers["prefix_slot"][:bucket],
+            prefix_tables=buffers["prefix_tables"][:groups], prefix_lens=buffers["prefix_lens"][:groups],
+            suffix_tables=buffers["suffix_tables"][:bucket], suffix_lens=buffers["suffix_lens"][:bucket],
+        )
+        start = time.monotonic()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool, stream=self._capture_stream,
+                              capture_error_mode="thread_local"):
+            with ops.torch_stream():
+                hidden = self.model.forward(self.input_ids[:bucket], self.positions[:bucket], self.attention, metadata)
+        logger.info("captured a cascade decode CUDA graph (%d decodes, %d groups of %d) in %.2f s",
+                    bucket, groups, width, time.monotonic() - start)
+        return graph, hidden
 
     # ---- the step ---------------------------------------------------------------------
     def execute(self, step: StepDescription) -> SampledTokens:
@@ -468,8 +572,9 @@ class GpuModelRunner:
         samples = num_computed + query_lens == self.num_tokens[rows]
 
         plan = self._cascade_plan(rows, num_computed, num_decodes)
-        bucket = self._bucket(batch) if num_decodes == batch and plan is None else None
-        if bucket is not None:
+        bucket = self._bucket(batch) if num_decodes == batch else None
+        cascade_key = self._cascade_graph_key(bucket, plan)
+        if bucket is not None and (plan is None or cascade_key is not None):
             self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
             if bucket > batch:  # padding rows: nothing written, one harmless key read
                 self.slot_mapping[batch:bucket].fill_(-1)
@@ -478,7 +583,14 @@ class GpuModelRunner:
                 self.context_lens[batch:bucket].fill_(1)
                 self.block_tables[batch:bucket, 0].zero_()
                 self.query_start_loc[batch + 1 : bucket + 1].copy_(self._row_offsets[batch + 1 : bucket + 1])
-            graph, graph_hidden, graph_logits = self.graphs[bucket]
+            if plan is None:
+                graph, graph_hidden, graph_logits = self.graphs[bucket]
+            else:
+                graph, graph_hidden = self._cascade_graph(cascade_key, plan, batch)
+                graph_logits = None
+                self.cascade_steps += 1
+                self.cascade_graph_steps += 1
+                self.cascade_saved_tokens += plan.saved_tokens
             graph.replay()
             if graph_logits is not None and samples.all():
                 logits = graph_logits[:batch]
@@ -487,7 +599,7 @@ class GpuModelRunner:
                 logits = self.model.compute_logits(graph_hidden.index_select(0, selected), dtype=None)
         else:
             metadata = self._metadata_from_host(rows, query_lens, num_computed, num_decodes)
-            if plan is not None:  # eager: the groups' shared prefixes read once (no graph of that shape)
+            if plan is not None:  # eager: a cascade shape seen for the first time, or no graphs
                 metadata.cascade = plan.upload(self.staging.upload)
                 self.cascade_steps += 1
                 self.cascade_saved_tokens += plan.saved_tokens

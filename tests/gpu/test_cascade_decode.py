@@ -79,6 +79,37 @@ def test_cascade_equals_the_plain_decode(dtype, kv_dtype, heads, kv_heads, head_
     assert torch.isfinite(cascade).all()
     assert error.max().item() < TOL[dtype], error.tolist()
 
+    # As the runner replays it: a CUDA graph captured over static buffers laid out for more
+    # groups and a wider group than the plan's (gpu/runner.py `_cascade_graph`), then
+    # replayed with the plan's values in them, equals the plain decode too.
+    from inflightllm.attention.cuda.backend import CascadeDecode
+    from inflightllm.gpu.ops import torch_stream
+
+    groups, width = plan.num_groups + 2, 16
+    rows, slot, tables, lens = plan.padded(groups, width)
+    static = CascadeDecode(groups, width, upload(np.zeros_like(rows)), upload(np.full_like(slot, groups * width)),
+                           upload(np.zeros_like(tables)), upload(np.zeros_like(lens)),
+                           upload(np.zeros_like(plan.suffix_tables)), upload(np.ones_like(plan.suffix_lens)))
+    metadata.cascade = static
+    graphed = torch.full_like(q, float("nan"))
+    with torch_stream():
+        backend.forward(0, q, k, v, metadata, out=graphed)  # warm-up, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with torch_stream():
+            backend.forward(0, q, k, v, metadata, out=graphed)
+    for tensor, values in ((static.member_rows, rows), (static.prefix_slot, slot), (static.prefix_tables, tables),
+                           (static.prefix_lens, lens), (static.suffix_tables, plan.suffix_tables),
+                           (static.suffix_lens, plan.suffix_lens)):
+        tensor.copy_(upload(values))
+    graphed.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    error = (graphed.float() - plain).flatten(1).norm(dim=1) / plain.flatten(1).norm(dim=1)
+    assert torch.isfinite(graphed).all()
+    assert error.max().item() < TOL[dtype], error.tolist()
+
 
 @pytest.fixture(scope="module")
 def engine():
@@ -116,10 +147,65 @@ def test_groups_with_cascade_forced_on_give_the_same_tokens(engine):
             runner.cascade_mode = "off"
             plain = run(engine, f"{name}-off", prompt, params, group)
             runner.cascade_mode = "always"
-            steps = runner.cascade_steps
+            steps, graph_steps = runner.cascade_steps, runner.cascade_graph_steps
             cascade = run(engine, f"{name}-on", prompt, params, group)
             assert runner.cascade_steps > steps, name  # the cascade really ran
+            assert runner.cascade_graph_steps > graph_steps, name  # and replayed as a CUDA graph
             assert cascade == plain, name
     finally:
         runner.cascade_mode = saved_mode
     assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("layout", ["mma", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_merge_equals_the_reference(layout, dtype):
+    """ops.cascade_merge (one kernel) against ops.merge_partials (torch ops) over the same
+    partials: prefix partials in either layout (normalised with log-sum-exp, or the decode
+    kernel's sums), empty splits among them, a decode in no group, a padded slot."""
+    from inflightllm.attention.cuda import ops
+    from inflightllm.gpu.ops import torch_stream
+
+    torch.manual_seed(3)
+    G, width, kvh, grp, D, S, Z = 3, 4, 2, 4, 128, 3, 2
+    H, R = kvh * grp, width * grp
+    nd = G * width + 2
+    slot = np.arange(nd, dtype=np.int64)
+    slot[-2:] = G * width  # in no group
+    np.random.default_rng(0).shuffle(slot[:-2])
+    if layout == "mma":
+        p_o = torch.randn(G, kvh, S, R, D, device=DEV)
+        p_m = torch.randn(G, kvh, S, R, device=DEV) * 4
+        p_m[0, :, 1] = float("-inf")  # an empty split of the first group
+        p_o[0, :, 1] = 0
+        p_l = None
+        # to [G * width, H, S, D]: member j's head h = kv * grp + q is row j * grp + q of kv
+        ref_o = p_o.view(G, kvh, S, width, grp, D).permute(0, 3, 1, 4, 2, 5).reshape(G * width, H, S, D)
+        ref_m = p_m.view(G, kvh, S, width, grp).permute(0, 3, 1, 4, 2).reshape(G * width, H, S)
+        ref_l = torch.ones_like(ref_m)
+    else:
+        p_o = torch.randn(G, kvh * R, S, D, device=DEV)
+        p_m = torch.randn(G, kvh * R, S, device=DEV) * 4
+        p_l = torch.rand(G, kvh * R, S, device=DEV) + 0.5
+        p_m[1, :, 0], p_l[1, :, 0], p_o[1, :, 0] = float("-inf"), 0, 0
+        ref_o = p_o.view(G, kvh, width, grp, S, D).transpose(1, 2).reshape(G * width, H, S, D)
+        ref_m = p_m.view(G, kvh, width, grp, S).transpose(1, 2).reshape(G * width, H, S)
+        ref_l = p_l.view(G, kvh, width, grp, S).transpose(1, 2).reshape(G * width, H, S)
+    s_o = torch.randn(nd, H, Z, D, device=DEV)
+    s_m = torch.randn(nd, H, Z, device=DEV) * 4
+    s_l = torch.rand(nd, H, Z, device=DEV) + 0.5
+    s_m[2, :, 1], s_l[2, :, 1], s_o[2, :, 1] = float("-inf"), 0, 0
+    # the reference: each decode's member partials (or empty ones) beside its own
+    index = torch.from_numpy(np.minimum(slot, G * width - 1)).to(DEV)
+    none = torch.from_numpy(slot == G * width).to(DEV)[:, None, None]
+    po = torch.cat([torch.where(none[..., None], 0.0, ref_o.index_select(0, index)), s_o], dim=2)
+    pm = torch.cat([torch.where(none, float("-inf"), ref_m.index_select(0, index)), s_m], dim=2)
+    pl = torch.cat([torch.where(none, 0.0, ref_l.index_select(0, index)), s_l], dim=2)
+    expected = ops.merge_partials(po, pm, pl, torch.float32)
+    out = torch.full((nd, H, D), float("nan"), device=DEV, dtype=dtype)
+    with torch_stream():
+        ops.cascade_merge((p_o, p_m, p_l), layout, upload(slot), G * width, width, grp, kvh, (s_o, s_m, s_l), out,
+                          ops.current_stream())
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)

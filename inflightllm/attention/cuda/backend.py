@@ -147,7 +147,7 @@ class CascadePlan:
 
     width: int  # sequences per group, padded
     member_rows: np.ndarray  # [groups * width] int64 decode rows; padding repeats a real member
-    valid_index: np.ndarray  # [members] int64 positions of the real members in member_rows
+    prefix_slot: np.ndarray  # [num_decodes] int64: each decode's place in member_rows; groups * width: none
     prefix_tables: np.ndarray  # [groups, prefix blocks] int32
     prefix_lens: np.ndarray  # [groups] int32 tokens of the shared prefix
     suffix_tables: np.ndarray  # [num_decodes, blocks] int32 each decode's blocks after its prefix
@@ -158,13 +158,30 @@ class CascadePlan:
     def num_groups(self) -> int:
         return len(self.prefix_lens)
 
+    def padded(self, groups: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(member_rows, prefix_slot, prefix_tables, prefix_lens) laid out for `groups` groups
+        of `width` sequences (a CUDA graph's shape, at least the plan's): a padded member
+        repeats its group's first, a padded group has an empty prefix and the first group's
+        first member, and the slot of a decode in no group is groups * width."""
+        G, W = self.num_groups, self.width
+        assert groups >= G and width >= W
+        members = self.member_rows.reshape(G, W)
+        rows = np.full((groups, width), members[0, 0], np.int64)
+        rows[:G, :W] = members
+        rows[:G, W:] = members[:, :1]
+        slot = self.prefix_slot
+        slot = np.where(slot < G * W, slot // W * width + slot % W, groups * width)
+        tables = np.zeros((groups, self.prefix_tables.shape[1]), np.int32)
+        tables[:G] = self.prefix_tables
+        lens = np.zeros(groups, np.int32)
+        lens[:G] = self.prefix_lens
+        return rows.ravel(), slot, tables, lens
+
     def upload(self, upload) -> CascadeDecode:
         """Device tensors through `upload` (host array -> device tensor)."""
-        rows = self.member_rows
         return CascadeDecode(
-            num_groups=self.num_groups, width=self.width, max_prefix_len=int(self.prefix_lens.max()),
-            member_rows=upload(rows), valid_index=upload(self.valid_index),
-            valid_rows=upload(rows[self.valid_index]),
+            num_groups=self.num_groups, width=self.width,
+            member_rows=upload(self.member_rows), prefix_slot=upload(self.prefix_slot),
             prefix_tables=upload(self.prefix_tables), prefix_lens=upload(self.prefix_lens),
             suffix_tables=upload(self.suffix_tables), suffix_lens=upload(self.suffix_lens),
         )
@@ -172,29 +189,32 @@ class CascadePlan:
 
 @dataclass
 class CascadeDecode:
-    """Device side of a CascadePlan (CudaAttentionMetadata.cascade)."""
+    """Device side of a CascadePlan (CudaAttentionMetadata.cascade). The shapes depend on
+    host ints only (groups, width, decodes), so a step of the same shape can replay a CUDA
+    graph captured over static buffers (gpu/runner.py)."""
 
     num_groups: int
     width: int
-    max_prefix_len: int  # host int: the longest group prefix (tokens)
-    member_rows: torch.Tensor
-    valid_index: torch.Tensor
-    valid_rows: torch.Tensor
-    prefix_tables: torch.Tensor
-    prefix_lens: torch.Tensor
-    suffix_tables: torch.Tensor
-    suffix_lens: torch.Tensor
+    member_rows: torch.Tensor  # [groups * width] int64
+    prefix_slot: torch.Tensor  # [num_decodes] int64, groups * width: in no group
+    prefix_tables: torch.Tensor  # [groups, >= prefix blocks] int32
+    prefix_lens: torch.Tensor  # [groups] int32; 0 for a padded group
+    suffix_tables: torch.Tensor  # [num_decodes, >= blocks] int32
+    suffix_lens: torch.Tensor  # [num_decodes] int32
 
 
 def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, mode: str = "auto",
-                 bytes_per_token: int = 0, max_width: int = CASCADE_MAX_WIDTH) -> CascadePlan | None:
+                 bytes_per_token: int = 0, max_width: int = CASCADE_MAX_WIDTH,
+                 graphs: bool = False) -> CascadePlan | None:
     """Which decodes share a prefix of whole blocks, and whether attending it once per group
     is worth an eager step. tables [num_decodes, >= blocks] int32 (each decode's block ids),
     context_lens [num_decodes] (tokens after this step). Decodes are grouped by their first
     block; a group's prefix is the blocks all its members hold, before the block each writes
     (the n sequences of a request share the prompt's full blocks; requests share cached
     prefix blocks). bytes_per_token: K/V bytes of a token over all layers (auto's threshold).
-    None: nothing shared, or (auto) too little saved."""
+    graphs: the runner replays cascade steps as CUDA graphs, so auto does not weigh an eager
+    step's launches (CASCADE_MIN_DECODE_READ_BYTES). None: nothing shared, or (auto) too
+    little saved."""
     if mode == "off" or len(context_lens) < 2:
         return None
     first = tables[:, 0]
@@ -228,18 +248,19 @@ def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, 
     saved = sum((len(chunk) - 1) * blocks * block_size for chunk, blocks in groups)
     if mode == "auto" and (saved * bytes_per_token < CASCADE_MIN_SAVED_BYTES
                            or saved < CASCADE_MIN_SAVED_FRACTION * float(context_lens.sum())
-                           or float(context_lens.sum()) * bytes_per_token < CASCADE_MIN_DECODE_READ_BYTES):
+                           or (not graphs
+                               and float(context_lens.sum()) * bytes_per_token < CASCADE_MIN_DECODE_READ_BYTES)):
         return None
     width = max(len(chunk) for chunk, _ in groups)
     prefix_width = max(blocks for _, blocks in groups)
     member_rows = np.empty(len(groups) * width, np.int64)
-    valid = []
+    prefix_slot = np.full(len(context_lens), len(groups) * width, np.int64)
     prefix_tables = np.zeros((len(groups), prefix_width), np.int32)
     prefix_lens = np.empty(len(groups), np.int32)
     for g, (chunk, blocks) in enumerate(groups):
         member_rows[g * width : g * width + len(chunk)] = chunk
         member_rows[g * width + len(chunk) : (g + 1) * width] = chunk[0]  # padding: a real query, dropped
-        valid.extend(range(g * width, g * width + len(chunk)))
+        prefix_slot[chunk] = np.arange(g * width, g * width + len(chunk))
         prefix_tables[g, :blocks] = tables[chunk[0], :blocks]
         prefix_lens[g] = blocks * block_size
     blocks_needed = -(-context_lens // block_size)
@@ -247,7 +268,7 @@ def plan_cascade(tables: np.ndarray, context_lens: np.ndarray, block_size: int, 
     index = np.minimum(shared[:, None] + np.arange(suffix_width)[None, :], tables.shape[1] - 1)
     suffix_tables = np.take_along_axis(tables, index, axis=1).astype(np.int32)
     suffix_lens = (context_lens - shared * block_size).astype(np.int32)
-    return CascadePlan(width=width, member_rows=member_rows, valid_index=np.asarray(valid, np.int64),
+    return CascadePlan(width=width, member_rows=member_rows, prefix_slot=prefix_slot,
                        prefix_tables=prefix_tables, prefix_lens=prefix_lens,
                        suffix_tables=np.ascontiguousarray(suffix_tables), suffix_lens=suffix_lens,
                        saved_tokens=int(saved))
@@ -673,26 +694,26 @@ class CudaPagedAttention(AttentionBackend):
     def _cascade_prefix_mma(self, members, key_cache, value_cache, cascade: CascadeDecode, stream):
         """The groups' shared prefixes on tensor cores (ops.cascade_prefix_mma, a 16-bit cache):
         each kv head's query heads of all a group's sequences are one tile of query rows over
-        the prefix read through the block table. Returns one split's partials per member:
-        (output [G * n, H, 1, D] float32, log-sum-exp in log2 units, 1)."""
+        the prefix read through the block table, cut into splits (ops.cascade_prefix_splits).
+        Returns the splits' partials in the kernel's layout: (output [G, kvh, S, R, D] float32,
+        normalised; log-sum-exp [G, kvh, S, R] in log2 units; None: no sums, normalised)."""
         G, n = cascade.num_groups, cascade.width
         kvh, D, H = self.num_kv_heads, self.head_dim, self.num_heads
         grp = H // kvh
         # contiguous: with one query head per kv head the reshape is a view, which the kernel
         # would read as the wrong rows (seen on an H200: 8 heads / 8 kv heads)
         packed = members.view(G, n, kvh, grp, D).permute(0, 2, 1, 3, 4).reshape(G, kvh, n * grp, D).contiguous()
+        splits = ops.cascade_prefix_splits(-(-n * grp // ops.PREFILL_MMA_M) * kvh * G, self._num_sms)
         output, lse = ops.cascade_prefix_mma(packed, key_cache, value_cache, cascade.prefix_tables,
-                                             cascade.prefix_lens, self._bs_shift, self.scale, stream)
-        output = output.view(G, kvh, n, grp, D).permute(0, 2, 1, 3, 4).reshape(G * n, H, 1, D)
-        pm = lse.view(G, kvh, n, grp).permute(0, 2, 1, 3).reshape(G * n, H, 1)
-        return output, pm, torch.ones_like(pm)
+                                             cascade.prefix_lens, self._bs_shift, self.scale, stream, splits)
+        return output, lse, None
 
     def _cascade_decode(self, query, key_cache, value_cache, cascade: CascadeDecode, nd: int, out, stream, scales):
         """Decode attention of decodes that share prefixes (plan_cascade): each group's width
         sequences attend their shared prefix in one pass, as one sequence of width x
         num_heads query heads (its K/V read once, not once per sequence), every decode
         attends its own blocks after the prefix, and the two passes' partials merge as
-        flash-decoding's splits do (ops.merge_partials)."""
+        flash-decoding's splits do (ops.cascade_merge, one kernel)."""
         G, n = cascade.num_groups, cascade.width
         H, kvh, D = self.num_heads, self.num_kv_heads, self.head_dim
         grp = H // kvh
@@ -701,36 +722,25 @@ class CudaPagedAttention(AttentionBackend):
         if q.dtype != torch.float32 and not self.fp8:
             # tensor cores: the decode kernel's CUDA-core dot products bound this pass
             prefix = self._cascade_prefix_mma(members, key_cache, value_cache, cascade, stream)
+            layout = "mma"
         else:
             # [G * n, H, D] -> [G, kvh * n * grp, D]: a kv head's query heads of all n members together
             grouped = members.view(G, n, kvh, grp, D).transpose(1, 2).reshape(G, kvh * n * grp, D)
             z = self.decode_splits(G, n * grp)
-            po1, pm1, pl1 = ops.paged_decode_partials(
+            prefix = ops.paged_decode_partials(
                 grouped, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, G, z, n * H, kvh, D,
                 self._bs_shift, self.scale, stream, "v4" if z == 1 else "v2", self.decode_min_split, scales)
-            po1 = po1.view(G, kvh, n, grp, z, D).transpose(1, 2).reshape(G * n, H, z, D)
-            pm1 = pm1.view(G, kvh, n, grp, z).transpose(1, 2).reshape(G * n, H, z)
-            pl1 = pl1.view(G, kvh, n, grp, z).transpose(1, 2).reshape(G * n, H, z)
-            prefix = po1, pm1, pl1
-        po1, pm1, pl1 = prefix
-        z1 = pm1.shape[-1]
+            layout = "decode"
         z2 = self.decode_splits(nd)
         variant = "v4" if z2 == 1 else "v2"
-        po2, pm2, pl2 = ops.paged_decode_partials(
+        suffix = ops.paged_decode_partials(
             q, key_cache, value_cache, cascade.suffix_tables, cascade.suffix_lens, nd, z2, H, kvh, D,
             self._bs_shift, self.scale, stream, variant, self.decode_min_split, scales)
-        # Each decode's prefix partials (none for a decode in no group: -inf / 0 weigh nothing).
-        po = torch.zeros((nd, H, z1 + z2, D), dtype=torch.float32, device=q.device)
-        pm = torch.full((nd, H, z1 + z2), float("-inf"), dtype=torch.float32, device=q.device)
-        pl = torch.zeros((nd, H, z1 + z2), dtype=torch.float32, device=q.device)
-        po[:, :, z1:] = po2
-        pm[:, :, z1:] = pm2
-        pl[:, :, z1:] = pl2
-        rows, index = cascade.valid_rows, cascade.valid_index
-        po[:, :, :z1].index_copy_(0, rows, po1.index_select(0, index))
-        pm[:, :, :z1].index_copy_(0, rows, pm1.index_select(0, index))
-        pl[:, :, :z1].index_copy_(0, rows, pl1.index_select(0, index))
-        out[:nd] = ops.merge_partials(po, pm, pl, out.dtype)
+        # A decode in no group (or a graph's padding row) has slot G * n: its own blocks alone.
+        target = out[:nd] if out[:nd].is_contiguous() else torch.empty_like(out[:nd])
+        ops.cascade_merge(prefix, layout, cascade.prefix_slot, G * n, n, grp, kvh, suffix, target, stream)
+        if target.data_ptr() != out[:nd].data_ptr():
+            out[:nd] = target
 
     def _dequantized_contexts(self, dtype, key_cache, value_cache, md: CudaAttentionMetadata, stream, scales):
         """An FP8 cache's prefill contexts for prefill_mma / prefill_fma, which read K/V of the

@@ -1375,22 +1375,24 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
 // with the query rows of one (group, kv head) being the query heads of that kv head of every
 // sequence of the group (width x group rows, packed by the caller: q [G, kvh, R, D]), attending
 // the group's whole prefix (no causal mask: every key before prefix_lens[g] counts). Writes the
-// normalised output in fp32 (o_out [G, kvh, R, D]) and its log-sum-exp in log2 units of the
-// scaled scores (lse_out [G, kvh, R]): one split's partial, merged with the sequences' own
-// blocks by the caller (ops.merge_partials with sum 1).
-// grid (ceil(R / 64), num_kv_heads, G), 128 threads (4 warps x 16 rows).
+// normalised output in fp32 and its log-sum-exp in log2 units of the scaled scores, per split of
+// the prefix (`splits` runs of whole 64-key tiles, for more blocks than G x kvh alone gives):
+// o_out [G, kvh, splits, R, D], lse_out [G, kvh, splits, R] (an empty split: 0 and -inf), merged
+// with each other and with the sequences' own blocks by the caller (ops.merge_partials, sum 1).
+// grid (ceil(R / 64), num_kv_heads, G * splits), 128 threads (4 warps x 16 rows).
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
 cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, const T* __restrict__ value_cache,
                    const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ prefix_lens,
                    float* __restrict__ o_out, float* __restrict__ lse_out, int rows, int num_kv_heads,
-                   int bs_shift, float scale_log2) {
+                   int bs_shift, float scale_log2, int splits) {
     constexpr int LDS = D + 8;
     constexpr int CPR = D / 8;
     __shared__ __align__(16) T sK[PM_N * LDS];  // holds the Q tile first
     __shared__ __align__(16) T sV[PM_N * LDS];
 
-    const int grp = blockIdx.z;
+    const int grp = blockIdx.z / splits;
+    const int split = blockIdx.z - grp * splits;
     const int kvh = blockIdx.y;
     const int m0 = blockIdx.x * PM_M;
     const int kend = prefix_lens[grp];
@@ -1416,7 +1418,11 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     }
     __syncthreads();
 
-    const int ntiles = (kend + PM_N - 1) / PM_N;
+    const int all_tiles = (kend + PM_N - 1) / PM_N;
+    const int per_split = (all_tiles + splits - 1) / splits;
+    const int tile0 = split * per_split;
+    const int ntiles = max(0, min(all_tiles, tile0 + per_split) - tile0);
+    const int kbase = tile0 * PM_N;  // this split's first key
     const int bs_mask = (1 << bs_shift) - 1;
     const int* bt = block_tables + (i64)grp * bt_stride;
     const i64 row_stride = (i64)num_kv_heads * D;
@@ -1440,10 +1446,10 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float mrow0 = neg_inf(), mrow1 = neg_inf(), lrow0 = 0.f, lrow1 = 0.f;
 
-    if (ntiles > 0) load_tile(sK, key_cache, 0);
+    if (ntiles > 0) load_tile(sK, key_cache, kbase);
     cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
-        const int k0 = it * PM_N;
+        const int k0 = kbase + it * PM_N;
         load_tile(sV, value_cache, k0);
         cp_async_commit();
         cp_async_wait<1>();  // K(it) has landed
@@ -1534,18 +1540,80 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     const float inv0 = lrow0 > 0.f ? 1.f / lrow0 : 0.f;
     const float inv1 = lrow1 > 0.f ? 1.f / lrow1 : 0.f;
     const int row0 = m0 + wr + g, row1 = row0 + 8;
+    const i64 obase = (((i64)grp * num_kv_heads + kvh) * splits + split) * rows;  // this split's first row
     if (row0 < rows) {
-        float* op = o_out + (qbase + row0) * D + 2 * t4;
+        float* op = o_out + (obase + row0) * D + 2 * t4;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
             *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
-        if (t4 == 0) lse_out[qbase + row0] = lrow0 > 0.f ? mrow0 + __log2f(lrow0) : neg_inf();
+        if (t4 == 0) lse_out[obase + row0] = lrow0 > 0.f ? mrow0 + __log2f(lrow0) : neg_inf();
     }
     if (row1 < rows) {
-        float* op = o_out + (qbase + row1) * D + 2 * t4;
+        float* op = o_out + (obase + row1) * D + 2 * t4;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
             *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
-        if (t4 == 0) lse_out[qbase + row1] = lrow1 > 0.f ? mrow1 + __log2f(lrow1) : neg_inf();
+        if (t4 == 0) lse_out[obase + row1] = lrow1 > 0.f ? mrow1 + __log2f(lrow1) : neg_inf();
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cascade decode's merge: each decode's attention output from the partials of its group's
+// shared prefix (prefix_slot[d]: its place among the groups' width members; none_slot: in no
+// group) and of its own blocks after it, as flash-decoding's reduce merges splits. A partial
+// is (o, m, l): sum_j 2^(s_j - m) v_j, its max m in log2 units and sum l; a normalised one
+// (cascade_prefix_mma: o divided by l, m its log-sum-exp) has no l array (p_l null: l = 1).
+// An empty partial (m = -inf) weighs nothing; no partial at all gives zeros.
+// Prefix partial of (group gi, kv head kv, split z, member row r = j * group + head in group):
+// index ((gi * num_kv_heads + kv) * p_splits * R) + r * p_row_stride + z * p_split_stride,
+// R = width * group (cascade_prefix_mma: [G, kvh, S, R]: row stride 1, split stride R; the
+// decode kernel's partials [G, kvh * R, S]: row stride S, split stride 1). Suffix partials
+// [nd, H, s_splits]. Outputs out [nd, H, D] in T.
+// grid (num_heads, num_decodes), D threads (one output element each).
+template <typename T, int D>
+__global__ void __launch_bounds__(D)
+cascade_merge(const float* __restrict__ p_o, const float* __restrict__ p_m, const float* __restrict__ p_l,
+              int p_splits, int p_row_stride, int p_split_stride, const i64* __restrict__ prefix_slot,
+              i64 none_slot, int width, int group, int num_kv_heads,
+              const float* __restrict__ s_o, const float* __restrict__ s_m, const float* __restrict__ s_l,
+              int s_splits, T* __restrict__ out, int num_heads) {
+    const int h = blockIdx.x, d = blockIdx.y, t = threadIdx.x;
+    const i64 slot = prefix_slot[d];
+    int nprefix = 0;
+    i64 pbase = 0;
+    if (slot < none_slot) {
+        const int gi = (int)(slot / width), j = (int)(slot - (i64)gi * width);
+        const int kv = h / group, r = j * group + (h - kv * group);
+        pbase = ((i64)gi * num_kv_heads + kv) * p_splits * ((i64)width * group) + (i64)r * p_row_stride;
+        nprefix = p_splits;
+    }
+    const i64 sbase = ((i64)d * num_heads + h) * s_splits;
+    float mx = neg_inf();
+    for (int z = 0; z < nprefix; ++z) {
+        const i64 i = pbase + (i64)z * p_split_stride;
+        if (p_l == nullptr || p_l[i] > 0.f) mx = fmaxf(mx, p_m[i]);
+    }
+    for (int z = 0; z < s_splits; ++z)
+        if (s_l[sbase + z] > 0.f) mx = fmaxf(mx, s_m[sbase + z]);
+    float num = 0.f, den = 0.f;
+    if (mx != neg_inf()) {
+        for (int z = 0; z < nprefix; ++z) {
+            const i64 i = pbase + (i64)z * p_split_stride;
+            const float l = p_l == nullptr ? 1.f : p_l[i];
+            if (l > 0.f && p_m[i] != neg_inf()) {
+                const float w = exp2f(p_m[i] - mx);
+                num += w * p_o[i * D + t];
+                den += w * l;
+            }
+        }
+        for (int z = 0; z < s_splits; ++z) {
+            const i64 i = sbase + z;
+            if (s_l[i] > 0.f) {
+                const float w = exp2f(s_m[i] - mx);
+                num += w * s_o[i * D + t];
+                den += w * s_l[i];
+            }
+        }
+    }
+    out[((i64)d * num_heads + h) * D + t] = Cvt<T>::from(den > 0.f ? num / den : 0.f);
 }

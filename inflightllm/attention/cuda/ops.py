@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -38,6 +39,10 @@ MAX_SPLITS = 1024  # RED_MAXZ in kernels.cu
 DECODE_MIN_SPLIT_TOKENS = 32
 DECODE_THREADS = 128
 PREFILL_MMA_M = 64
+# cascade_prefix_mma: resident blocks a SM (~160 registers x 128 threads: 3 fit a SM's 64k
+# registers; an estimate from the kernel's arrays, not a measured occupancy) and most splits.
+CASCADE_PREFIX_BLOCKS_PER_SM = 3
+CASCADE_PREFIX_MAX_SPLITS = 4
 PREFILL_FMA_M = 16
 _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 # FP8 KV cache (kv_cache_dtype "fp8"): the cache's element type in kernels.cu (e4m3 bytes), the
@@ -150,6 +155,7 @@ def dtype_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functio
     names = [decode_kernel_name(variant, t, head_dim, g) for variant in DECODE_KERNELS for g in DECODE_MAXG]
     names += [f"{k}<{t},{head_dim}>" for k in DECODE_REDUCE_KERNELS.values()]
     names.append(f"prefill_fma<{t},{head_dim}>")
+    names.append(f"cascade_merge<{t},{head_dim}>")
     if dtype != torch.float32:
         names.append(f"prefill_mma<{t},{head_dim}>")
         names.append(f"cascade_prefix_mma<{t},{head_dim}>")
@@ -439,28 +445,72 @@ def paged_decode_partials(query, key_cache, value_cache, block_tables, context_l
     return part_out, part_m, part_l
 
 
-def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_lens, bs_shift, scale, stream):
+def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_lens, bs_shift, scale, stream,
+                       splits: int = 1):
     """Cascade decode's shared-prefix pass on tensor cores (kernels.cu cascade_prefix_mma; a
     16-bit cache). packed [G, kvh, R, D] contiguous: the R = width x group query heads of each
-    kv head of each group's sequences. Returns (output [G, kvh, R, D] float32, normalised;
-    log-sum-exp [G, kvh, R] float32 in log2 units of the scaled scores), each group attending
-    its whole prefix (prefix_tables [G, blocks] int32, prefix_lens [G] int32 tokens)."""
+    kv head of each group's sequences. Each group's prefix (prefix_tables [G, blocks] int32,
+    prefix_lens [G] int32 tokens) is cut into `splits` runs of whole 64-key tiles, a block
+    each. Returns (output [G, kvh, splits, R, D] float32, normalised; log-sum-exp [G, kvh,
+    splits, R] float32 in log2 units of the scaled scores; an empty split: 0 and -inf)."""
     groups, kv_heads, rows, head_dim = packed.shape
-    assert packed.is_contiguous() and prefix_tables.is_contiguous()
+    assert packed.is_contiguous() and prefix_tables.is_contiguous() and splits >= 1
     fn = dtype_module(packed.dtype, head_dim, packed.device.index)[
         f"cascade_prefix_mma<{CTYPE[packed.dtype]},{head_dim}>"]
-    out = torch.empty((groups, kv_heads, rows, head_dim), dtype=torch.float32, device=packed.device)
-    lse = torch.empty((groups, kv_heads, rows), dtype=torch.float32, device=packed.device)
+    out = torch.empty((groups, kv_heads, splits, rows, head_dim), dtype=torch.float32, device=packed.device)
+    lse = torch.empty((groups, kv_heads, splits, rows), dtype=torch.float32, device=packed.device)
     args = (_p(packed), _p(key_cache), _p(value_cache), _p(prefix_tables), _i32(prefix_tables.stride(0)),
             _p(prefix_lens), _p(out), _p(lse), _i32(rows), _i32(kv_heads), _i32(bs_shift),
-            np.float32(scale * np.log2(np.e)))
-    _launch(fn, (-(-rows // PREFILL_MMA_M), kv_heads, groups), 128, args, stream)
+            np.float32(scale * np.log2(np.e)), _i32(splits))
+    _launch(fn, (-(-rows // PREFILL_MMA_M), kv_heads, groups * splits), 128, args, stream)
     return out, lse
+
+
+def cascade_prefix_splits(blocks: int, num_sms: int, most: int = CASCADE_PREFIX_MAX_SPLITS) -> int:
+    """Splits of cascade_prefix_mma's prefixes for `blocks` = tiles x kv heads x groups
+    blocks without splits: the count (1..most) whose waves of resident blocks
+    (CASCADE_PREFIX_BLOCKS_PER_SM a SM) come closest to full, each split costing a little
+    (its partials, merged after). Host ints only (graph-safe). 512 blocks on 132 SMs
+    (n = 8 over 64 prompts, 8 kv heads): 3 splits, 3.9 waves instead of 1.3."""
+    slots = CASCADE_PREFIX_BLOCKS_PER_SM * num_sms
+
+    def cost(splits: int) -> float:
+        return math.ceil(blocks * splits / slots) / splits * (1 + 0.05 * (splits - 1))
+
+    return min(range(1, most + 1), key=cost)
+
+
+def cascade_merge(prefix, prefix_layout, prefix_slot, none_slot, width, group, num_kv_heads, suffix, out, stream):
+    """Cascade decode's merge (kernels.cu cascade_merge): out [nd, H, D] (contiguous) from
+    each decode's prefix partials (prefix = (o, m, l or None when normalised), of its member
+    slot, none for slot none_slot) and its own suffix partials (o [nd, H, Z, D], m, l).
+    prefix_layout: "mma" (cascade_prefix_mma's [G, kvh, S, R]) or "decode"
+    (paged_decode_partials' [G, kvh * R, S])."""
+    p_o, p_m, p_l = prefix
+    s_o, s_m, s_l = suffix
+    nd, num_heads, s_splits, head_dim = s_o.shape
+    rows = width * group
+    if prefix_layout == "mma":
+        p_splits = p_m.shape[2]
+        row_stride, split_stride = 1, rows
+    else:
+        p_splits = p_m.shape[-1]
+        row_stride, split_stride = p_splits, 1
+    assert out.is_contiguous() and out.shape == (nd, num_heads, head_dim)
+    for tensor in (p_o, p_m, s_o, s_m, s_l, prefix_slot) + ((p_l,) if p_l is not None else ()):
+        assert tensor.is_contiguous()
+    fn = dtype_module(out.dtype, head_dim, out.device.index)[f"cascade_merge<{CTYPE[out.dtype]},{head_dim}>"]
+    args = (_p(p_o), _p(p_m), np.uint64(0) if p_l is None else _p(p_l), _i32(p_splits), _i32(row_stride),
+            _i32(split_stride), _p(prefix_slot), _i64(none_slot), _i32(width), _i32(group), _i32(num_kv_heads),
+            _p(s_o), _p(s_m), _p(s_l), _i32(s_splits), _p(out), _i32(num_heads))
+    _launch(fn, (num_heads, nd), head_dim, args, stream)
 
 
 def merge_partials(part_out, part_m, part_l, dtype):
     """[n, H, Z, D], [n, H, Z], [n, H, Z] partials (paged_decode_partials' convention) ->
-    the attention output [n, H, D] in `dtype`, as decode_reduce merges them."""
+    the attention output [n, H, D] in `dtype`, as decode_reduce merges them. In torch ops:
+    the reference of cascade_merge (tests/test_cascade_plan.py checks it against softmax
+    attention, tests/gpu/test_cascade_decode.py the kernel against it)."""
     m_max = part_m.amax(dim=-1, keepdim=True)
     m_use = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
     weight = torch.where(part_l > 0, torch.exp2(part_m - m_use), torch.zeros_like(part_m))
