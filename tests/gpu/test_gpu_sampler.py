@@ -241,9 +241,13 @@ def test_seeded_noise_kernel_equals_the_reference():
 @pytest.mark.parametrize("dtype,rows,vocab", [(torch.bfloat16, 512, 128256), (torch.float32, 64, 5000),
                                               (torch.float16, 3, 50)])
 def test_top_p_threshold_kernel_equals_the_bisection(dtype, rows, vocab):
-    """largest_mass_threshold (32 thresholds a pass, one kernel) finds the same logit as the
-    halving bisection `_largest_threshold` (torch ops), for top_p from 0.01 to 0.999 and 1
-    (nothing masked: -inf), on Llama 3's vocabulary in bf16 and on small float32/fp16 rows."""
+    """largest_mass_threshold (32 thresholds a pass, one kernel) finds the logit that the
+    halving bisection `_largest_threshold` (torch ops) finds, for top_p from 0.01 to 0.999
+    and 1 (nothing masked: -inf), on Llama 3's vocabulary in bf16 and on small float32/fp16
+    rows. The two sum the masses in other orders, so where the target falls within rounding
+    of a mass (seen: 1 row of 512 at top_p 0.999) they may pick neighbours: every row's pick
+    must reach the target and the next value up must not, up to 1e-5 of mass, and at most 1 %
+    of the rows may differ."""
     from inflightllm.gpu.sampler import _largest_threshold, largest_mass_threshold
 
     generator = torch.Generator(CUDA).manual_seed(5)
@@ -256,4 +260,11 @@ def test_top_p_threshold_kernel_equals_the_bisection(dtype, rows, vocab):
                                   low, high)
     got = largest_mass_threshold(logits, probs, top_p, low, high)
     assert got.dtype == dtype
-    assert torch.equal(got, expected), (got != expected).nonzero().flatten().tolist()[:10]
+    differ = (got != expected).nonzero().flatten().tolist()
+    assert len(differ) <= rows // 100, differ[:10]
+    at = torch.where(logits.double() >= got[:, None].double(), probs.double(), 0.0).sum(dim=-1)
+    above = torch.where(logits.double() > got[:, None].double(), probs.double(), 0.0).sum(dim=-1)
+    finite = torch.isfinite(top_p)
+    assert bool((at[finite] >= top_p[finite] - 1e-5).all())
+    assert bool((above[finite] < top_p[finite] + 1e-5).all())
+    assert bool(torch.isneginf(got[~finite].float()).all())

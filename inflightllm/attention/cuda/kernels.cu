@@ -1446,6 +1446,9 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float mrow0 = neg_inf(), mrow1 = neg_inf(), lrow0 = 0.f, lrow1 = 0.f;
 
+    // A warp whose 16 rows are all past `rows` (width x group < 64: e.g. 8 sequences x 4
+    // heads fill two warps) loads its share of each tile and syncs, but computes nothing.
+    const bool active = m0 + wr < rows;
     if (ntiles > 0) load_tile(sK, key_cache, kbase);
     cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
@@ -1456,77 +1459,83 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
         __syncthreads();
 
         float s[PM_N / 8][4];
+        if (active) {
 #pragma unroll
-        for (int nt = 0; nt < PM_N / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            for (int nt = 0; nt < PM_N / 8; ++nt) {
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
-                const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
-                mma16816<T>(s[nt], qf[kk], b0, b1);
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
+                    const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
+                    mma16816<T>(s[nt], qf[kk], b0, b1);
+                }
             }
         }
         __syncthreads();  // every warp is done with sK
         if (it + 1 < ntiles) load_tile(sK, key_cache, k0 + PM_N);
         cp_async_commit();
 
-        const bool need_mask = k0 + PM_N > kend;  // the last tile's keys past the prefix
-        float mx0 = neg_inf(), mx1 = neg_inf();
+        if (active) {
+            const bool need_mask = k0 + PM_N > kend;  // the last tile's keys past the prefix
+            float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
-        for (int nt = 0; nt < PM_N / 8; ++nt) {
+            for (int nt = 0; nt < PM_N / 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = s[nt][e] * scale_log2;
-                if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) >= kend) v = neg_inf();
-                s[nt][e] = v;
+                for (int e = 0; e < 4; ++e) {
+                    float v = s[nt][e] * scale_log2;
+                    if (need_mask && k0 + nt * 8 + 2 * t4 + (e & 1) >= kend) v = neg_inf();
+                    s[nt][e] = v;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
             }
-            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-        const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
-        const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
-        const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
-        const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
-        mrow0 = mn0; mrow1 = mn1;
-        float ls0 = 0.f, ls1 = 0.f;
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+            const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
+            const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
+            const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
+            const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
+            mrow0 = mn0; mrow1 = mn1;
+            float ls0 = 0.f, ls1 = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < PM_N / 8; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - mu0);
-            s[nt][1] = exp2f(s[nt][1] - mu0);
-            s[nt][2] = exp2f(s[nt][2] - mu1);
-            s[nt][3] = exp2f(s[nt][3] - mu1);
-            ls0 += s[nt][0] + s[nt][1];
-            ls1 += s[nt][2] + s[nt][3];
-        }
-        lrow0 = lrow0 * corr0 + ls0;
-        lrow1 = lrow1 * corr1 + ls1;
+            for (int nt = 0; nt < PM_N / 8; ++nt) {
+                s[nt][0] = exp2f(s[nt][0] - mu0);
+                s[nt][1] = exp2f(s[nt][1] - mu0);
+                s[nt][2] = exp2f(s[nt][2] - mu1);
+                s[nt][3] = exp2f(s[nt][3] - mu1);
+                ls0 += s[nt][0] + s[nt][1];
+                ls1 += s[nt][2] + s[nt][3];
+            }
+            lrow0 = lrow0 * corr0 + ls0;
+            lrow1 = lrow1 * corr1 + ls1;
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            o[dt][0] *= corr0; o[dt][1] *= corr0;
-            o[dt][2] *= corr1; o[dt][3] *= corr1;
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][0] *= corr0; o[dt][1] *= corr0;
+                o[dt][2] *= corr1; o[dt][3] *= corr1;
+            }
         }
 
         cp_async_wait<1>();  // V(it) has landed
         __syncthreads();
+        if (active) {
 #pragma unroll
-        for (int kk = 0; kk < PM_N / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const int mi = lane >> 3, rr = lane & 7;
-            const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
+            for (int kk = 0; kk < PM_N / 16; ++kk) {
+                u32 a[4];
+                a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                const int mi = lane >> 3, rr = lane & 7;
+                const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, vrow + dp * 16);
-                mma16816<T>(o[2 * dp], a, b[0], b[1]);
-                mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, vrow + dp * 16);
+                    mma16816<T>(o[2 * dp], a, b[0], b[1]);
+                    mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with sV
