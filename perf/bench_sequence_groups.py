@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64, help="P: prompts of the n=8 workload")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.44)
     parser.add_argument("--beam-only", action="store_true", help="skip the n=8 part")
+    parser.add_argument("--n8-only", action="store_true",
+                        help="the n=8 run alone (no beam part, no other cascade mode, no separate requests): "
+                             "what perf/run_kv_pressure_device.sh's groups-pyspy step records")
     parser.add_argument("--profile", action="store_true",
                         help="the n=8 workload once more (other prompts) under the torch profiler: GPU busy "
                              "time and time by kind of kernel (perf.bench_gpu.profile_run)")
@@ -149,17 +152,18 @@ def main(argv: list[str] | None = None) -> int:
           "warm-up")
 
     # ---- beam search vs independent greedy requests
-    greedy = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), None)
-                            for p in prompts_of(greedy_count, length, vocab, 2)], "greedy")
-    beam = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), GroupParams(beam_width=4))
-                          for p in prompts_of(beams, length, vocab, 3)], "beam")
-    report["beam_search"] = {"greedy_requests": greedy_count, "beam_requests": beams, "beam_width": 4,
-                             "isl": length, "osl": length, "greedy": greedy, "beam": beam,
-                             "wall_ratio": round(beam["seconds"] / greedy["seconds"], 3), "goal": "<= 1.3"}
-    print(f"beam search: {beams} x beam_width 4 in {beam['seconds']:.2f} s; {greedy_count} greedy in "
-          f"{greedy['seconds']:.2f} s: ratio {report['beam_search']['wall_ratio']:.3f} (goal <= 1.3)", flush=True)
-    for name, run in (("greedy", greedy), ("beam", beam)):
-        print(f"  {name}: {run['steps']} steps, host ms per step {run['host_ms_per_step']}", flush=True)
+    if not args.n8_only:
+        greedy = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), None)
+                                for p in prompts_of(greedy_count, length, vocab, 2)], "greedy")
+        beam = drive(engine, [(p, SamplingParams(max_tokens=length, ignore_eos=True), GroupParams(beam_width=4))
+                              for p in prompts_of(beams, length, vocab, 3)], "beam")
+        report["beam_search"] = {"greedy_requests": greedy_count, "beam_requests": beams, "beam_width": 4,
+                                 "isl": length, "osl": length, "greedy": greedy, "beam": beam,
+                                 "wall_ratio": round(beam["seconds"] / greedy["seconds"], 3), "goal": "<= 1.3"}
+        print(f"beam search: {beams} x beam_width 4 in {beam['seconds']:.2f} s; {greedy_count} greedy in "
+              f"{greedy['seconds']:.2f} s: ratio {report['beam_search']['wall_ratio']:.3f} (goal <= 1.3)", flush=True)
+        for name, run in (("greedy", greedy), ("beam", beam)):
+            print(f"  {name}: {run['steps']} steps, host ms per step {run['host_ms_per_step']}", flush=True)
     if args.beam_only:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     groups["cascade_graph_steps"] = getattr(runner, "cascade_graph_steps", 0) - graph_before
     plain = None
     other_mode = "off" if groups["cascade_steps"] else "always"
+    if args.n8_only:
+        print(f"n=8 over {prompts} prompts of {long_prompt}: {groups['output_tok_s']:.0f} output tok/s; cascade "
+              f"decode in {groups['cascade_steps']} of {groups['steps']} steps ({groups['cascade_graph_steps']} as "
+              f"CUDA graphs); {groups.get('decode_only_ms_per_step', 0):.1f} ms a decode step; host ms per step "
+              f"{groups['host_ms_per_step']}", flush=True)
+        return 0
     if has_cascade:
         # The same workload (other prompts: the prefix cache holds the first ones) with cascade
         # decode as auto did not decide: off (each sequence reads the shared prompt itself)

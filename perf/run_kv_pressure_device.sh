@@ -7,7 +7,7 @@
 #   OUT=$OUT STEPS="tests,sampler,sampled" bash perf/run_kv_pressure_device.sh   # carry build/bundle/part1
 #
 # STEPS (comma-separated): tests, sampler, sampled, pressure, multiturn, groups (GROUPS_ARGS, e.g.
-# --profile), guided and guided-pyspy (carry build/bundle/part2/guided.tar.xz too; guided-pyspy
+# --profile), groups-pyspy (the n=8 run under py-spy; carry build/tools/py-spy), guided and guided-pyspy (carry build/bundle/part2/guided.tar.xz too; guided-pyspy
 # also build/tools/py-spy; guided-server: the burst through tritonserver). POLICIES,
 # MODES and PRESSURE_ROWS choose the pressure step's variants (bench_rows options); VARIANTS
 # (bench_rows --variants, e.g. fp8-kv: bf16 weights with an FP8 KV cache).
@@ -42,6 +42,13 @@ if has multiturn; then
 fi
 if has groups; then
   step bench_groups "${GROUPS_LIMIT:-270}" "$PY" -m perf.bench_sequence_groups ${GROUPS_ARGS:-} --out "$OUT/sequence_groups.json"
+fi
+if has groups-pyspy; then
+  # bench_sequence_groups' n=8 run alone under py-spy (PYSPY, as guided-pyspy): the engine
+  # thread's host time a decode step, collapsed stacks for a grep.
+  step groups_pyspy "${PYSPY_LIMIT:-200}" "${PYSPY:-build/tools/py-spy}" record --threads --rate 100 --format raw \
+    --nonblocking -o "$OUT/pyspy-groups.txt" -- "$PY" -m perf.bench_sequence_groups --n8-only ${GROUPS_ARGS:-} \
+    --out "$OUT/groups-pyspy.json"
 fi
 if has guided || has guided-pyspy || has guided-server; then
   # xgrammar and jsonschema from the bundle's part 2 (carry build/bundle/part2/guided.tar.xz),
