@@ -237,5 +237,8 @@ def test_prefix_splits_fill_the_waves():
     assert ops.cascade_prefix_splits(512, 132) == 3
     assert ops.cascade_prefix_splits(24, 132) == ops.CASCADE_PREFIX_MAX_SPLITS
     assert ops.cascade_prefix_splits(4096, 132) == 1
+    # blocks of 64 threads (32 query rows: 8 sequences x 4 heads): twice as many fit a SM
+    assert ops.cascade_prefix_threads(32) == 64 and ops.cascade_prefix_threads(33) == 128
+    assert ops.cascade_prefix_splits(512, 132, threads=64) == 3  # 1.9 waves of 792 slots
     for blocks in range(1, 3000, 37):
         assert 1 <= ops.cascade_prefix_splits(blocks, 132) <= ops.CASCADE_PREFIX_MAX_SPLITS

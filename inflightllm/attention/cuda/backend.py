@@ -703,7 +703,9 @@ class CudaPagedAttention(AttentionBackend):
         # contiguous: with one query head per kv head the reshape is a view, which the kernel
         # would read as the wrong rows (seen on an H200: 8 heads / 8 kv heads)
         packed = members.view(G, n, kvh, grp, D).permute(0, 2, 1, 3, 4).reshape(G, kvh, n * grp, D).contiguous()
-        splits = ops.cascade_prefix_splits(-(-n * grp // ops.PREFILL_MMA_M) * kvh * G, self._num_sms)
+        rows = n * grp
+        threads = ops.cascade_prefix_threads(rows)
+        splits = ops.cascade_prefix_splits(-(-rows // (threads // 32 * 16)) * kvh * G, self._num_sms, threads)
         output, lse = ops.cascade_prefix_mma(packed, key_cache, value_cache, cascade.prefix_tables,
                                              cascade.prefix_lens, self._bs_shift, self.scale, stream, splits)
         return output, lse, None

@@ -1379,7 +1379,8 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
 // the prefix (`splits` runs of whole 64-key tiles, for more blocks than G x kvh alone gives):
 // o_out [G, kvh, splits, R, D], lse_out [G, kvh, splits, R] (an empty split: 0 and -inf), merged
 // with each other and with the sequences' own blocks by the caller (ops.merge_partials, sum 1).
-// grid (ceil(R / 64), num_kv_heads, G * splits), 128 threads (4 warps x 16 rows).
+// grid (ceil(R / rows a block), num_kv_heads, G * splits), 64 or 128 threads (2 or 4 warps x 16
+// rows: 64 when R <= 32, so that no warp idles and twice the blocks fit a SM).
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
 cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, const T* __restrict__ value_cache,
@@ -1394,14 +1395,16 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     const int grp = blockIdx.z / splits;
     const int split = blockIdx.z - grp * splits;
     const int kvh = blockIdx.y;
-    const int m0 = blockIdx.x * PM_M;
+    const int nthreads = blockDim.x;           // 64 or 128: 2 or 4 warps of 16 query rows
+    const int rows_per_block = (nthreads >> 5) * 16;
+    const int m0 = blockIdx.x * rows_per_block;
     const int kend = prefix_lens[grp];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int wr = warp * 16;
     const i64 qbase = ((i64)grp * num_kv_heads + kvh) * rows;  // this (group, kv head)'s first row
 
-    for (int c = tid; c < PM_M * CPR; c += 128) {
+    for (int c = tid; c < rows_per_block * CPR; c += nthreads) {
         const int r = c / CPR, p = c - (c / CPR) * CPR;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (m0 + r < rows) v = *reinterpret_cast<const uint4*>(q + (qbase + m0 + r) * D + p * 8);
@@ -1428,7 +1431,7 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
     const i64 row_stride = (i64)num_kv_heads * D;
 
     auto load_tile = [&](T* dst, const T* cache, int k0) {
-        for (int c = tid; c < PM_N * CPR; c += 128) {
+        for (int c = tid; c < PM_N * CPR; c += nthreads) {
             const int r = c / CPR, p = c - (c / CPR) * CPR;
             const int pos = k0 + r;
             T* d = dst + r * LDS + p * 8;

@@ -39,8 +39,9 @@ MAX_SPLITS = 1024  # RED_MAXZ in kernels.cu
 DECODE_MIN_SPLIT_TOKENS = 32
 DECODE_THREADS = 128
 PREFILL_MMA_M = 64
-# cascade_prefix_mma: resident blocks a SM (~160 registers x 128 threads: 3 fit a SM's 64k
-# registers; an estimate from the kernel's arrays, not a measured occupancy) and most splits.
+# cascade_prefix_mma: resident blocks of 128 threads a SM (~160 registers x 128 threads: 3 fit
+# a SM's 64k registers; an estimate from the kernel's arrays, not a measured occupancy; blocks
+# of 64 threads: twice as many) and most splits.
 CASCADE_PREFIX_BLOCKS_PER_SM = 3
 CASCADE_PREFIX_MAX_SPLITS = 4
 PREFILL_FMA_M = 16
@@ -445,6 +446,11 @@ def paged_decode_partials(query, key_cache, value_cache, block_tables, context_l
     return part_out, part_m, part_l
 
 
+def cascade_prefix_threads(rows: int) -> int:
+    """cascade_prefix_mma's block: 2 warps (32 query rows) when the rows fit, else 4 (64)."""
+    return 64 if rows <= 32 else 128
+
+
 def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_lens, bs_shift, scale, stream,
                        splits: int = 1):
     """Cascade decode's shared-prefix pass on tensor cores (kernels.cu cascade_prefix_mma; a
@@ -462,17 +468,18 @@ def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_len
     args = (_p(packed), _p(key_cache), _p(value_cache), _p(prefix_tables), _i32(prefix_tables.stride(0)),
             _p(prefix_lens), _p(out), _p(lse), _i32(rows), _i32(kv_heads), _i32(bs_shift),
             np.float32(scale * np.log2(np.e)), _i32(splits))
-    _launch(fn, (-(-rows // PREFILL_MMA_M), kv_heads, groups * splits), 128, args, stream)
+    threads = cascade_prefix_threads(rows)
+    _launch(fn, (-(-rows // (threads // 32 * 16)), kv_heads, groups * splits), threads, args, stream)
     return out, lse
 
 
-def cascade_prefix_splits(blocks: int, num_sms: int, most: int = CASCADE_PREFIX_MAX_SPLITS) -> int:
+def cascade_prefix_splits(blocks: int, num_sms: int, threads: int = 128, most: int = CASCADE_PREFIX_MAX_SPLITS) -> int:
     """Splits of cascade_prefix_mma's prefixes for `blocks` = tiles x kv heads x groups
-    blocks without splits: the count (1..most) whose waves of resident blocks
-    (CASCADE_PREFIX_BLOCKS_PER_SM a SM) come closest to full, each split costing a little
-    (its partials, merged after). Host ints only (graph-safe). 512 blocks on 132 SMs
-    (n = 8 over 64 prompts, 8 kv heads): 3 splits, 3.9 waves instead of 1.3."""
-    slots = CASCADE_PREFIX_BLOCKS_PER_SM * num_sms
+    blocks of `threads` without splits: the count (1..most) whose waves of resident blocks
+    (CASCADE_PREFIX_BLOCKS_PER_SM a SM at 128 threads, twice that at 64) come closest to
+    full, each split costing a little (its partials, merged after). Host ints only
+    (graph-safe). 512 blocks of 128 threads on 132 SMs: 3 splits, 3.9 waves instead of 1.3."""
+    slots = CASCADE_PREFIX_BLOCKS_PER_SM * (128 // threads) * num_sms
 
     def cost(splits: int) -> float:
         return math.ceil(blocks * splits / slots) / splits * (1 + 0.05 * (splits - 1))
