@@ -346,3 +346,30 @@ def test_static_batching_gives_the_same_greedy_outputs_as_inflight(smollm2_loade
     # In-flight: the third request starts when the first finishes (step 3, done at 4).
     # Static: it waits for the whole first batch (4 steps), then runs 2 more.
     assert steps == {"inflight": 4, "static": 6}
+
+
+def test_the_engine_sets_the_gc_thresholds_unless_told_not_to(monkeypatch):
+    """engine.tune_gc: a new engine raises Python's GC thresholds (GC_THRESHOLDS: young
+    collections took a quarter of the host time of 1,024-sequence steps); INFLIGHTLLM_GC=default
+    leaves them; any other value is refused, naming the allowed ones."""
+    import gc
+
+    from inflightllm import engine as engine_module
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        monkeypatch.setenv("INFLIGHTLLM_GC", "default")
+        assert engine_module.tune_gc() == (700, 10, 10)
+        monkeypatch.delenv("INFLIGHTLLM_GC")
+        assert engine_module.tune_gc() == engine_module.GC_THRESHOLDS
+        gc.set_threshold(700, 10, 10)
+        from tests.stub_model import stub_engine
+
+        stub_engine(num_blocks=8, block_size=4)  # what a new engine does
+        assert gc.get_threshold() == engine_module.GC_THRESHOLDS
+        monkeypatch.setenv("INFLIGHTLLM_GC", "off")
+        with pytest.raises(ValueError, match="INFLIGHTLLM_GC='off'; allowed: tuned, default"):
+            engine_module.tune_gc()
+    finally:
+        gc.set_threshold(*saved)
