@@ -355,15 +355,52 @@ class BlockManager:
         if not request.may_share:
             return []
         table = request.block_table
-        first = request.num_computed_tokens // self.block_size
-        end = min(len(table), self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens))
-        return [index for index in range(first, end) if self.blocks[table[index]].ref_count > 1]
+        computed, size = request.num_computed_tokens, self.block_size
+        first = computed // size
+        end = min(len(table), -(-(computed + num_new_tokens) // size))
+        if end - first == 1:  # a decode's one block (every step of every sequence of a group)
+            return [first] if self.blocks[table[first]].ref_count > 1 else []
+        blocks = self.blocks
+        return [index for index in range(first, end) if blocks[table[index]].ref_count > 1]
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         needed = self._num_new_blocks(request, [], num_new_tokens)
         if request.may_share:
             needed += len(self._shared_in_write_range(request, num_new_tokens))
         return needed <= self.num_free_blocks
+
+    def reassign(self, target: Request, source: Request) -> None:
+        """`free(target)` then `share(source, target)`, touching only the blocks where their
+        tables differ (a beam search's sequence that takes over another beam: the two hold
+        the prompt's blocks and most of the output's alike). The blocks both hold keep their
+        counts (at least 2 before, so the free never frees them)."""
+        old, new = target.block_table, source.block_table
+        common, limit = 0, min(len(old), len(new))
+        while common < limit and old[common] == new[common]:
+            common += 1
+        blocks = self.blocks
+        for block_id in reversed(old[common:]):  # as free() does, last block first
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 1:
+                self._num_shared -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self._num_free_cached += 1
+        for block_id in new[common:]:
+            block = blocks[block_id]
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
+        target.block_table = list(new)
+        target.block_hashes = list(source.block_hashes)
+        target.num_registered_blocks = source.num_registered_blocks
+        source.may_share = target.may_share = True
 
     def share(self, source: Request, target: Request) -> None:
         """Give `target` (holding no blocks) the block table of `source`: every block gets

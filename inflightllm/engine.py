@@ -607,8 +607,9 @@ class Engine:
                 continue
             if dead and dead[-1].status is running and parent.status is running:
                 sequence = dead.pop()
-                manager.free(sequence)  # it stays in the running set, with the parent's blocks
-                manager.share(parent, sequence)
+                # it stays in the running set, with the parent's blocks (free + share, only
+                # where the two tables differ)
+                manager.reassign(sequence, parent)
                 sequence.table_rewritten = False
             else:
                 sequence = group.new_sequence(parent)

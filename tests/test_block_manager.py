@@ -238,3 +238,44 @@ def test_invariants_hold_and_everything_returns(ops, prefix_caching):
         manager.free(request)
     check_invariants(manager, [])
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def _state(manager: BlockManager) -> tuple:
+    return ([block.ref_count for block in manager.blocks], list(manager.free_queue), manager.num_shared_blocks,
+            manager.num_free_blocks, manager._num_free_cached)
+
+
+@pytest.mark.parametrize("fork_at", [0, 5, 9, 12])
+def test_reassign_equals_free_then_share(fork_at):
+    """A beam's sequence taking over another beam (`reassign`) leaves the manager as
+    `free` then `share` do: counts, the free queue's order, shared and cached counts; with
+    the two tables alike up to `fork_at` tokens (a shared prompt, then blocks of their own,
+    some cached, some partial)."""
+    managers, pairs = [], []
+    for _ in range(2):
+        manager = BlockManager(num_blocks=24, block_size=4)
+        source = make_request("s", list(range(14)))
+        admit(manager, source)
+        run_chunk(manager, source, 14)
+        target = make_request("t", list(range(fork_at)) + list(range(100, 100 + 14 - fork_at)))
+        admit(manager, target)
+        run_chunk(manager, target, 14)
+        other = make_request("o", list(range(200, 209)))  # frees some cached blocks around them
+        admit(manager, other)
+        run_chunk(manager, other, 9)
+        manager.free(other)
+        managers.append(manager)
+        pairs.append((source, target))
+    assert _state(managers[0]) == _state(managers[1])
+    (source_a, target_a), (source_b, target_b) = pairs
+    managers[0].free(target_a)
+    managers[0].share(source_a, target_a)
+    managers[1].reassign(target_b, source_b)
+    assert _state(managers[0]) == _state(managers[1])
+    assert target_a.block_table == target_b.block_table == source_b.block_table
+    assert target_b.block_hashes == source_b.block_hashes and target_b.may_share and source_b.may_share
+    assert target_b.num_registered_blocks == target_a.num_registered_blocks
+    for manager, (source, target) in zip(managers, pairs, strict=True):
+        manager.free(source)
+        manager.free(target)
+        assert manager.num_free_blocks == 24 and manager.num_shared_blocks == 0
