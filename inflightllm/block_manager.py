@@ -378,25 +378,8 @@ class BlockManager:
         common, limit = 0, min(len(old), len(new))
         while common < limit and old[common] == new[common]:
             common += 1
-        blocks = self.blocks
-        for block_id in reversed(old[common:]):  # as free() does, last block first
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            if block.ref_count == 1:
-                self._num_shared -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self._num_free_cached += 1
-        for block_id in new[common:]:
-            block = blocks[block_id]
-            block.ref_count += 1
-            if block.ref_count == 2:
-                self._num_shared += 1
+        self._release(old[common:])
+        self._retain(new[common:])
         target.block_table = list(new)
         target.block_hashes = list(source.block_hashes)
         target.num_registered_blocks = source.num_registered_blocks
@@ -408,11 +391,7 @@ class BlockManager:
         The prefix-cache bookkeeping of the shared full blocks is shared too."""
         if target.block_table:
             raise RuntimeError(f"request {target.request_id} already holds blocks")
-        for block_id in source.block_table:
-            block = self.blocks[block_id]
-            block.ref_count += 1
-            if block.ref_count == 2:
-                self._num_shared += 1
+        self._retain(source.block_table)
         target.block_table = list(source.block_table)
         target.block_hashes = list(source.block_hashes)
         target.num_registered_blocks = source.num_registered_blocks
@@ -465,10 +444,13 @@ class BlockManager:
             block.ref_count = 1
             request.block_table.append(block_id)
 
-    def free(self, request: Request) -> None:
-        """Return the request's blocks; cached ones stay reusable until evicted."""
-        for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
+    def _release(self, block_ids: list[int]) -> None:
+        """One reference less on each block, last block first: a block nobody holds goes to
+        the free queue (uncached ones to its front, cached ones to its end, reusable until
+        evicted)."""
+        blocks = self.blocks
+        for block_id in reversed(block_ids):
+            block = blocks[block_id]
             block.ref_count -= 1
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
@@ -480,5 +462,18 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
                 else:
                     self._num_free_cached += 1
+
+    def _retain(self, block_ids: list[int]) -> None:
+        """One reference more on each block (held blocks: none is in the free queue)."""
+        blocks = self.blocks
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self._num_shared += 1
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; cached ones stay reusable until evicted."""
+        self._release(request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0

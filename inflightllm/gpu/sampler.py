@@ -497,14 +497,11 @@ class GpuSampler:
         del scaled
         if (top_p < 1.0).any():  # rows at 1 get a mass no threshold reaches: nothing masked
             (mass,) = self._settings(np.where(top_p < 1.0, top_p, np.inf))
-
-            def mass_at_least(t):
-                return torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1)
-
             if logits.is_cuda:  # MASS_THRESHOLDS thresholds a pass, one kernel each
                 smallest_kept = largest_mass_threshold(logits, probs, mass[:, 0], lowest, highest)
             else:
-                smallest_kept = _largest_threshold(mass[:, 0], mass_at_least, lowest, highest)
+                smallest_kept = _largest_threshold(
+                    mass[:, 0], lambda t: torch.where(logits >= t[:, None], probs, 0.0).sum(dim=-1), lowest, highest)
             probs.masked_fill_(logits < smallest_kept[:, None], 0.0)
         if (min_p > 0).any():
             (minimum,) = self._settings(min_p)
