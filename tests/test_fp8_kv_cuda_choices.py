@@ -33,6 +33,12 @@ def test_fp8_kernel_names_take_the_cache_type_last():
     assert ops.decode_kernel_name("v2", "__half", 64, 2, "__half") == "paged_decode_v2<__half,64,2>"
     with pytest.raises(ValueError, match=r"decode kernel 'v1' does not read an FP8 cache"):
         ops.decode_kernel_name("v1", "__nv_bfloat16", 128, 4, ops.FP8_CTYPE)
+    assert ops.decode_kernel_name("v5", "__half", 64, 8, ops.FP8_CTYPE) == "paged_decode_v5<__half,64,fp8e4m3>"
+    for ctype, cache in (("float", ops.FP8_CTYPE), ("__half", None)):
+        with pytest.raises(ValueError, match=r"decode kernel 'v5' reads only an FP8 cache, with fp16 / bf16 queries"):
+            ops.decode_kernel_name("v5", ctype, 64, 8, cache)
+    assert ops.decode_group_split(4, "v5") == (8, 1) and ops.decode_group_split(16, "v5") == (8, 2)
+    assert ops.decode_group_split(12, "v5") == (8, 2) and ops.decode_group_split(3) == (4, 1)
 
 
 def test_fp8_v4_ring_is_half_of_bf16s():
@@ -55,8 +61,13 @@ def test_constructor_refusals(monkeypatch):
     monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v1")
     assert CudaPagedAttention(8, 2, 64).decode_impl == "v1"  # an unquantized cache still may
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v1' does not read an FP8 KV cache "
-                                         r"\(engine.kv_cache_dtype fp8\); allowed: v2, v4, auto"):
+                                         r"\(engine.kv_cache_dtype fp8\); allowed: v2, v4, v5, auto"):
         CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8")
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v5")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v5' reads only an FP8 KV cache "
+                                         r"\(engine.kv_cache_dtype fp8\); allowed here: v1, v2, v4, auto"):
+        CudaPagedAttention(8, 2, 64)
+    assert CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").decode_impl == "v5"
 
 
 def test_fp8_scales_and_kernel_choice():
@@ -64,7 +75,13 @@ def test_fp8_scales_and_kernel_choice():
                                    kv_scales=[(0.5, 2), (1, 1)])
     assert attention.fp8 and attention.kv_scales == [(0.5, 2.0), (1.0, 1.0)]
     assert all(isinstance(x, float) for pair in attention.kv_scales for x in pair)
-    # the same kernels as an unquantized cache: v4 where unsplit, else v2
+    # fp16 / bf16 queries: v5 (tensor cores; 3 blocks a SM, 8 heads a block), split as far as the
+    # GPU's blocks go (3 x 132 SMs / 8 kv heads = 49)
+    attention.query_dtype = torch.bfloat16
+    assert attention.decode_kernel(1) == ("v5", 49)
+    assert attention.decode_kernel(1024) == ("v5", 1)
+    # float32 queries: the kernels of an unquantized cache, v4 where unsplit, else v2
+    attention.query_dtype = torch.float32
     assert attention.decode_kernel(1) == ("v2", 64)
     assert attention.decode_kernel(1024) == ("v4", 1)
     assert CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").kv_scales is None  # 1.0 a layer at allocation

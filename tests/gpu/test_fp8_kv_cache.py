@@ -194,7 +194,18 @@ def test_mixed_batch_bf16(head_dim, group, scales):
     assert case.backend._flash_error is None, case.backend._flash_error
     check_v4(case, v2, label + " flash,", "flash")
     case.check(case.run("mma", decode="v2"), label + " mma (dequantized scratch cache), decode v2")
-    case.check(case.run("flash", decode="auto"), label + " flash, decode auto")
+    case.check(case.run("flash", decode="v5"), label + " flash, decode v5 (tensor cores)")
+    assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v5"
+    case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v5)")
+
+
+@pytest.mark.parametrize("group", [5, 12, 16])
+def test_v5_groups_of_more_or_fewer_than_8_heads(group):
+    """paged_decode_v5 takes 8 query heads a block: a group of 12 or 16 is two blocks per kv
+    head (the second of 12 half empty), a group of 5 leaves 3 rows of its tile empty."""
+    case = Fp8Case(MIXED, 2 * group, 2, 128, 16, torch.bfloat16, (0.023, 0.0171), seed=group)
+    label = f"fp8 mixed bf16 d=128 gqa={group}"
+    case.check(case.run("flash", decode="v5"), label + " decode v5")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -209,15 +220,20 @@ def test_mixed_batch_other_dtypes(dtype):
     check_v4(case, v2, label, "flash")
     if dtype != torch.float32:
         case.check(case.run("mma", decode="v2"), label + " mma, decode v2")
+        case.check(case.run("flash", decode="v5"), label + " decode v5")
+    else:  # v5 computes in f16: not for float32 queries, which "auto" keeps on v2 / v4
+        assert case.backend.decode_kernel(case.metadata.num_decodes)[0] in ("v2", "v4")
 
 
-def test_many_decodes_unsplit_take_v4():
-    """Enough decodes that contexts are not split: "auto" takes v4 (direct writes, no reduce)."""
+def test_many_decodes_unsplit():
+    """Enough decodes that contexts are not split: "auto" takes v5 (direct writes, no reduce);
+    v4 has v2's bits."""
     gen = torch.Generator().manual_seed(9)
     specs = [(1, int(c)) for c in torch.randint(1, 1500, (300,), generator=gen)]
     case = Fp8Case(specs, 8, 2, 64, 16, torch.bfloat16, (0.5, 0.5), seed=9)
-    assert case.backend.decode_kernel(300) == ("v4", 1)
-    case.check(v4 := case.run(decode="auto"), "fp8 300 decodes unsplit, decode auto (v4)")
+    assert case.backend.decode_kernel(300) == ("v5", 1)
+    case.check(case.run(decode="auto"), "fp8 300 decodes unsplit, decode auto (v5)")
+    case.check(v4 := case.run(decode="v4"), "fp8 300 decodes unsplit, decode v4")
     v2 = case.run(decode="v2")
     case.check(v2, "fp8 300 decodes unsplit, decode v2")
     assert torch.equal(v2, v4)
@@ -230,6 +246,7 @@ def test_long_contexts_and_splits(min_split):
     case.backend.decode_min_split = min_split
     case.check(v2 := case.run("flash", decode="v2"), f"fp8 long, min split {min_split}, decode v2")
     check_v4(case, v2, f"fp8 long, min split {min_split},", "flash")
+    case.check(case.run("flash", decode="v5"), f"fp8 long, min split {min_split}, decode v5")
 
 
 def test_sliding_window():
@@ -238,6 +255,7 @@ def test_sliding_window():
     case.check(v2 := case.run("flash", decode="v2"), "fp8 window=256 flash, decode v2")
     check_v4(case, v2, "fp8 window=256 flash,", "flash")
     case.check(case.run("mma", decode="v2"), "fp8 window=256 mma, decode v2")
+    case.check(case.run("flash", decode="v5"), "fp8 window=256 flash, decode v5")
 
 
 def test_prefill_only_unfused_inputs():
@@ -276,7 +294,7 @@ def test_padding_and_unaligned_inputs():
     assert not ops.aligned16(k)
     initial = backend.kv_cache.clone()
     expected = ref.forward(0, q[:2].double(), k[:2].double(), v[:2].double(), ref_metadata(ref, seqs))
-    for decode in ("v2", "v4"):
+    for decode in ("v2", "v4", "v5"):
         backend.decode_impl = decode
         out = torch.full((3, h, d), float("nan"), dtype=torch.bfloat16, device=DEV)
         backend.forward(0, q, k, v, pad, out=out)
@@ -352,7 +370,8 @@ def test_swap_round_trip():
 
 
 def test_cuda_graph_decode():
-    """A captured FP8 decode step replayed on new contexts, block tables and inputs."""
+    """A captured FP8 decode step replayed on new contexts, block tables and inputs (decode
+    "auto": v5)."""
     h, kvh, d, bs, dtype, scales = 32, 8, 128, 16, torch.bfloat16, (0.5, 0.5)
     max_model_len, nd = 4096, 8
     width = max_model_len // bs
@@ -436,6 +455,14 @@ def test_decode_v4_fp8_keeps_the_blocks_per_sm():
                     ctypes.c_size_t(smem))
                 assert status == 0, status
                 assert blocks.value >= ops.decode_blocks_per_sm(maxg), (dtype, maxg, head_dim, blocks.value)
+    for head_dim in ops.HEAD_DIMS:  # v5: its static shared memory and registers
+        mod = ops.fp8_module(torch.bfloat16, head_dim, torch.cuda.current_device())
+        fn = mod.get(ops.decode_kernel_name("v5", "__nv_bfloat16", head_dim, 8, ops.FP8_CTYPE))
+        blocks = ctypes.c_int()
+        status = pdl._driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), ctypes.c_void_p(fn.kernel.ptr), ctypes.c_int(ops.DECODE_THREADS), ctypes.c_size_t(0))
+        assert status == 0, status
+        assert blocks.value >= ops.decode_blocks_per_sm(8, "v5"), (head_dim, blocks.value)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -616,9 +643,11 @@ def test_tp2_fp8_kv_follows_tp1():
 
 def test_fp8_decode_timings():
     """Decode step time (graph replay of one forward: cache write + decode + reduce) with an
-    FP8 and a bf16 cache, Llama-3-8B attention shape (32 heads, 8 kv heads, d=128, block 16).
-    The FP8 cache moves half the bytes: at a large batch, where decode is bound by them, it
-    must not be slower than bf16's. Printed, and written to $OUT/fp8-kv-timings.md when set."""
+    FP8 and a bf16 cache, Llama-3-8B attention shape (32 heads, 8 kv heads, d=128, block 16):
+    bf16 (auto: v4 / v2), FP8 on CUDA cores (v4 where unsplit, else v2) and FP8 on tensor cores
+    (auto: v5). The FP8 cache moves half the bytes: at a large batch, where decode is bound by
+    them, v5 must not be slower than bf16's. Printed, and written to $OUT/fp8-kv-timings.md
+    when set."""
     import os
     import statistics
 
@@ -626,7 +655,7 @@ def test_fp8_decode_timings():
     max_model_len = 8192
     num_blocks = 256 * 2048 // bs + 64
     rows, times = [], {}
-    for kind in ("auto", "fp8"):
+    for kind, decode in (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "auto")):  # fp8 auto: v5
         backend = CudaPagedAttention(h, kvh, d, max_model_len=max_model_len, kv_cache_dtype=kind)
         backend.allocate_kv_cache(num_blocks, bs, 1, kvh, d, torch.bfloat16, DEV)
         if kind == "fp8":
@@ -640,6 +669,8 @@ def test_fp8_decode_timings():
             seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
             md = backend.build_metadata(seqs, DEV)
             md.max_context_len = max_model_len
+            if decode == "cuda-cores":
+                backend.decode_impl = "v4" if backend.decode_splits(batch) == 1 else "v2"
             q = torch.randn(batch, h, d, device=DEV).to(torch.bfloat16)
             k = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
             v = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
@@ -666,12 +697,16 @@ def test_fp8_decode_timings():
             us = statistics.median(samples)
             assert torch.isfinite(out).all()
             impl, splits = backend.decode_kernel(batch)
-            times[(kind, batch)] = us
-            rows.append(f"| {kind} | {batch} x {ctx} | {impl}, {splits} splits | {us:.1f} |")
+            times[(kind, decode, batch)] = us
+            rows.append(f"| {kind} | {batch} x {ctx} | {impl}, {splits} splits ({decode}) | {us:.1f} |")
         del backend
     lines = ["| cache | case | kernel | median µs |", "| --- | --- | --- | ---: |", *rows]
     print("\n" + "\n".join(lines))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "fp8-kv-timings.md"), "w") as handle:
             handle.write("\n".join(lines) + "\n")
-    print(f"fp8 decode at 256 x 2048: {times[('fp8', 256)] / times[('auto', 256)]:.2f}x bf16's time")
+    for batch in (1, 32, 256):
+        bf16 = times[("auto", "auto", batch)]
+        print(f"fp8 decode at {batch}: CUDA cores {times[('fp8', 'cuda-cores', batch)] / bf16:.2f}x bf16's time, "
+              f"v5 {times[('fp8', 'auto', batch)] / bf16:.2f}x")
+    assert times[("fp8", "auto", 256)] <= times[("auto", "auto", 256)], "v5 over FP8 slower than bf16 at 256 x 2048"

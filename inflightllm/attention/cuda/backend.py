@@ -42,9 +42,13 @@ PREFILL_DEFAULT = "flash"
 # "v4": v2 with its loads pipelined through shared memory by cp.async, the same bits;
 # "auto": v4 where the context is not split (a large batch: each block walks a whole context),
 # else v2, whose blocks then walk a tile or a few and which needs no large shared-memory carve-out
-# next to the small-batch kernels). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
+# next to the small-batch kernels; with an FP8 cache and fp16 / bf16 queries, v5: tensor cores,
+# see FP8_DECODE_AUTO). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
 DECODE_DEFAULT = "auto"
-DECODE_IMPLS = (*ops.DECODE_KERNELS, "auto")
+DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "auto")
+# What "auto" takes for an FP8 cache with fp16 / bf16 queries: "v5" (paged_decode_v5, tensor
+# cores), or "v2/v4" as a 16-bit cache (CUDA cores). docs/FP8-KV-CACHE.md.
+FP8_DECODE_AUTO = "v5"
 KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
@@ -337,6 +341,11 @@ class CudaPagedAttention(AttentionBackend):
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype == "fp8"
+        if self.decode_impl == "v5" and not self.fp8:
+            raise ValueError(
+                "INFLIGHTLLM_DECODE_IMPL='v5' reads only an FP8 KV cache (engine.kv_cache_dtype fp8); "
+                f"allowed here: {', '.join(ops.DECODE_KERNELS)}, auto"
+            )
         if self.fp8 and self.decode_impl not in (*ops.FP8_DECODE_KERNELS, "auto"):
             raise ValueError(
                 f"INFLIGHTLLM_DECODE_IMPL={self.decode_impl!r} does not read an FP8 KV cache "
@@ -378,6 +387,9 @@ class CudaPagedAttention(AttentionBackend):
             raise ValueError("cache shape differs from the backend's heads")
         if dtype not in ops.CTYPE:
             raise ValueError(f"unsupported dtype {dtype}")
+        if self.decode_impl == "v5" and dtype == torch.float32:
+            raise ValueError("INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries (the model's dtype is float32); "
+                             f"allowed for float32: {', '.join(ops.FP8_DECODE_KERNELS[:2])}, auto")
         if self.fp8:
             if self.kv_scales is None:
                 self.kv_scales = [(1.0, 1.0)] * num_layers
@@ -574,22 +586,28 @@ class CudaPagedAttention(AttentionBackend):
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         )
 
-    def decode_splits(self, num_decodes: int, group: int | None = None) -> int:
+    def decode_splits(self, num_decodes: int, group: int | None = None, variant: str | None = None) -> int:
         """Splits of each decode's context (flash-decoding): as many as fit the GPU's resident
         blocks in one wave (floor, so no partial second wave), at most one per 128 tokens of
         max_model_len. `group`: query heads per kv head (default the model's; cascade decode's
-        prefix pass has width x that). Depends on host ints only (graph-safe)."""
-        maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads)
+        prefix pass has width x that); `variant` "v5": that kernel's heads and blocks a SM.
+        Depends on host ints only (graph-safe)."""
+        maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads, variant)
         base = self.num_kv_heads * per_kv * max(1, num_decodes)
-        slots = ops.decode_blocks_per_sm(maxg) * self._num_sms
+        slots = ops.decode_blocks_per_sm(maxg, variant) * self._num_sms
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
         return max(1, min(slots // base, cap))
 
     def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
-        """(the decode kernel of ops.DECODE_KERNELS, its split count) for `num_decodes`
-        decodes: with "auto", v4 where the contexts are not split, else v2 (DECODE_DEFAULT)."""
-        splits = self.decode_splits(num_decodes)
+        """(the decode kernel of ops.DECODE_KERNELS or v5, its split count) for `num_decodes`
+        decodes: with "auto", v5 for an FP8 cache read by fp16 / bf16 queries (FP8_DECODE_AUTO),
+        else v4 where the contexts are not split, v2 where they are (DECODE_DEFAULT)."""
         impl = self.decode_impl
+        if impl == "auto" and self.fp8 and FP8_DECODE_AUTO == "v5" and self.query_dtype != torch.float32:
+            impl = "v5"
+        if impl == "v5":
+            return impl, self.decode_splits(num_decodes, variant="v5")
+        splits = self.decode_splits(num_decodes)
         if impl == "auto":
             impl = "v4" if splits == 1 else "v2"
         return impl, splits

@@ -1629,3 +1629,299 @@ cascade_merge(const float* __restrict__ p_o, const float* __restrict__ p_m, cons
     }
     out[((i64)d * num_heads + h) * D + t] = Cvt<T>::from(den > 0.f ? num / den : 0.f);
 }
+
+// ---------------------------------------------------------------------------------------------
+// paged_decode_v5<T, D[, CT]>: flash-decoding of an FP8 cache on tensor cores. Versions 2 and 4
+// score an FP8 cache on CUDA cores: at half the bytes of a 16-bit cache they are bound by the
+// e4m3 conversions and the dot products (0.90x bf16's time at 256 x 2,048), not by memory.
+// Here each warp scores 32-key tiles with mma.sync.m16n8k16 in f16 (e4m3 converts to f16
+// exactly, two values an instruction): S = Q K^T with up to 8 query heads of a kv head as rows
+// 0..7 of A (rows 8..15 zero), then O^T += V^T P^T, whose B fragment (P^T) is S's accumulator
+// as it stands, so that no accumulator row is wasted on the output. The K and V rows go from
+// global memory straight into the registers of the fragments that use them (no shared memory):
+// the contraction index of S is permuted so that lane (g, t) holds bytes [t D/4, (t + 1) D/4)
+// of its key rows (two 16-byte loads), and the rows of O^T so that it holds bytes
+// [g D/16, (g + 1) D/16) and [(g + 8) D/16, (g + 9) D/16) of its value rows; __byte_perm pairs
+// two keys' bytes for V^T's A fragment. The query is converted to f16 after its scale
+// (scale_log2, which carries k_scale); P is f16 in [0, 1]; the output is multiplied by v_scale.
+// A warp takes tiles warp, warp + 4, ... of the block's split; a tile's block-table entries come
+// in one load by the warp's lanes, a tile ahead, and reach the lanes that need them by shuffle.
+// Grid, splits, partials and decode_reduce as version 2 (groups of more than 8 heads: blocks of
+// 8 heads, ops.decode_group_split).
+#define DM_WARPS 4
+#define DM_KEYS 32
+
+__device__ __forceinline__ u32 e4m3x2_to_h2(u32 w) {  // the low 16 bits: two e4m3 (low byte -> low half)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"((unsigned short)w));
+    return h;
+#else
+    float f[2];
+    e4m3x2_to_f(w, f);
+    return pack2<__half>(f[0], f[1]);
+#endif
+}
+
+// N bytes of a row, in one or two vector loads (zeros when !valid)
+template <int N> struct RowBytes;
+template <> struct RowBytes<32> {
+    uint4 v[2];
+    __device__ __forceinline__ void load(const unsigned char* p, bool valid) {
+        v[0] = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+        v[1] = valid ? __ldg(reinterpret_cast<const uint4*>(p) + 1) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ u32 word(int i) const { return reinterpret_cast<const u32*>(v)[i]; }
+};
+template <> struct RowBytes<16> {
+    uint4 v;
+    __device__ __forceinline__ void load(const unsigned char* p, bool valid) {
+        v = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ u32 word(int i) const { return reinterpret_cast<const u32*>(&v)[i]; }
+};
+template <> struct RowBytes<8> {
+    uint2 v;
+    __device__ __forceinline__ void load(const unsigned char* p, bool valid) {
+        v = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+    }
+    __device__ __forceinline__ u32 word(int i) const { return i ? v.y : v.x; }
+};
+template <> struct RowBytes<4> {
+    u32 v;
+    __device__ __forceinline__ void load(const unsigned char* p, bool valid) {
+        v = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+    }
+    __device__ __forceinline__ u32 word(int) const { return v; }
+};
+
+template <typename T, int D, typename CT = fp8e4m3>
+__global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_PARAMS) {
+    pdl_trigger();
+    static_assert(sizeof(CT) == 1, "an FP8 cache");
+    static_assert(D == 64 || D == 128, "head_dim");
+    constexpr int R = 8;              // query heads a block
+    constexpr int KB = D / 4;         // bytes of a key row a lane holds
+    constexpr int MT = D / 16;        // m-tiles of O^T; a lane holds MT bytes of a value row twice
+    constexpr int KS = D / 16;        // k-steps of S = Q K^T
+    constexpr int NT = DM_KEYS / 8;   // n-tiles of S in a tile (8 keys each)
+    __shared__ float s_red[DM_WARPS * R * D];
+    __shared__ float s_ml[DM_WARPS * R * 2];
+
+    const int kvh = blockIdx.x / groups_per_kv;
+    const int hg = blockIdx.x - kvh * groups_per_kv;
+    const int g0 = hg * R;
+    const int ng = min(R, group - g0);
+    const int head0 = kvh * group + g0;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int Z = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gr = lane >> 2, t = lane & 3;
+
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const int ctx = context_lens[seq];
+    const int start = (window > 0) ? max(0, ctx - window) : 0;
+    const int n = ctx - start;
+    int active;
+    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
+    if (split >= active) {
+        pdl_wait();
+        if (split == 0 && min_split > 0)
+            decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
+        return;
+    }
+    const bool direct = active == 1 && min_split > 0;
+    const int r0 = start + split * per;
+    const int r1 = min(ctx, r0 + per);
+
+    // a tile's block-table entries: lane i holds the one of the tile's i-th block (32 keys span
+    // at most 32 blocks); the first before the wait (the tables come before the step's kernels)
+    auto bt_entry = [&](int k0) -> int {
+        if (k0 >= r1) return 0;
+        const int b0 = k0 >> bs_shift;
+        const int b1 = (min(k0 + DM_KEYS, r1) - 1) >> bs_shift;
+        return (b0 + lane <= b1) ? __ldg(bt + b0 + lane) : 0;
+    };
+    constexpr int STRIDE = DM_WARPS * DM_KEYS;
+    int k0 = r0 + warp * DM_KEYS;
+    int bte = bt_entry(k0);
+    pdl_wait();  // the query and this step's K/V row come from the kernels before
+
+    // A fragments of Q (row gr; rows 8..15 zero): k index 2t + e <-> d = t KB + 4s + e and
+    // 2t + 8 + e <-> d = t KB + 4s + 2 + e (K's B fragments below use the same map)
+    u32 qa[KS][4];
+    {
+        float f[KB];
+        if (gr < ng) {
+            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB;
+#pragma unroll
+            for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < KB; ++i) f[i] = 0.f;
+        }
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            qa[s][0] = pack2<__half>(f[4 * s] * scale_log2, f[4 * s + 1] * scale_log2);
+            qa[s][2] = pack2<__half>(f[4 * s + 2] * scale_log2, f[4 * s + 3] * scale_log2);
+            qa[s][1] = qa[s][3] = 0u;
+        }
+    }
+
+    // O^T: o[mt][e] row d = gr MT + mt (e = 0, 1) or (gr + 8) MT + mt (e = 2, 3), column (head) 2t + (e & 1)
+    float o[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    float mr = neg_inf(), lr = 0.f;  // head gr's running max (log2 units) and this lane's part of its sum
+    const i64 row_stride = (i64)num_kv_heads * D;
+    const unsigned char* kbase = reinterpret_cast<const unsigned char*>(key_cache) + (i64)kvh * D + t * KB;
+    const unsigned char* vbase = reinterpret_cast<const unsigned char*>(value_cache) + (i64)kvh * D + gr * MT;
+    const int bs_mask = (1 << bs_shift) - 1;
+
+    // Software pipeline: tile i + 1's K rows load while tile i's softmax and P V run, its V rows
+    // while tile i + 1's scores run; its block-table entries come a tile earlier still.
+    RowBytes<KB> kr[NT];
+    RowBytes<MT> vlo[NT / 2][4], vhi[NT / 2][4];
+    // the lane of `entries` (a tile's block-table entries, bt_entry) that holds key's block
+    auto row_off = [&](int entries, int tile, int key) -> i64 {
+        const int blk = __shfl_sync(FULL_MASK, entries, ((key >> bs_shift) - (tile >> bs_shift)) & 31);
+        return (((i64)blk << bs_shift) + (key & bs_mask)) * row_stride;
+    };
+    // K rows tile + 8j + gr; V rows tile + 16 s2 + 2t + {0, 1, 8, 9}, bytes gr MT.. and (gr + 8) MT..
+    auto load_k = [&](int entries, int tile) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int key = tile + 8 * j + gr;
+            kr[j].load(kbase + row_off(entries, tile, min(key, r1 - 1)), key < r1);
+        }
+    };
+    auto load_v = [&](int entries, int tile) {
+#pragma unroll
+        for (int s2 = 0; s2 < NT / 2; ++s2)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = tile + 16 * s2 + 2 * t + (e & 1) + 8 * (e >> 1);
+                const unsigned char* p = vbase + row_off(entries, tile, min(key, r1 - 1));
+                vlo[s2][e].load(p, key < r1);
+                vhi[s2][e].load(p + 8 * MT, key < r1);
+            }
+    };
+    if (k0 < r1) {
+        load_k(bte, k0);
+        load_v(bte, k0);
+    }
+    bte = bt_entry(k0 + STRIDE);  // the next tile's entries
+
+    for (; k0 < r1; k0 += STRIDE) {
+        const int kn = k0 + STRIDE;  // the next tile (bte holds its entries)
+        // S = Q K^T: sc[j][0..1] = head gr, keys k0 + 8j + 2t + {0, 1} (sc[j][2..3]: zero rows)
+        float sc[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const u32 w = kr[j].word(s);
+                mma16816<__half>(sc[j], qa[s], e4m3x2_to_h2(w), e4m3x2_to_h2(w >> 16));
+            }
+        }
+        if (kn < r1) load_k(bte, kn);
+        float tm = neg_inf();  // keys past the split: -inf; the row's max over the quad
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (k0 + 8 * j + 2 * t + e >= r1) sc[j][e] = neg_inf();
+                tm = fmaxf(tm, sc[j][e]);
+            }
+        tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 2));
+        const float mn = fmaxf(mr, tm);  // finite: key k0 is in the split
+        const float alpha = exp2f(mr - mn);
+        mr = mn;
+        lr *= alpha;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                sc[j][e] = exp2f(sc[j][e] - mn);
+                lr += sc[j][e];
+            }
+        // O^T's columns are heads 2t, 2t + 1: their rescale comes from the lanes of those rows
+        const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(FULL_MASK, alpha, 8 * t + 4);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            o[mt][0] *= a0; o[mt][1] *= a1;
+            o[mt][2] *= a0; o[mt][3] *= a1;
+        }
+        // O^T += V^T P^T over keys 16 s2 .. 16 s2 + 15: P^T's B fragment is S's accumulator
+#pragma unroll
+        for (int s2 = 0; s2 < NT / 2; ++s2) {
+            const u32 pb0 = pack2<__half>(sc[2 * s2][0], sc[2 * s2][1]);
+            const u32 pb1 = pack2<__half>(sc[2 * s2 + 1][0], sc[2 * s2 + 1][1]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt += 2) {
+                const int w = mt >> 2;
+                const u32 sel = (mt & 2) ? 0x7362u : 0x5140u;  // byte b of two keys, then byte b + 1
+                const u32 x0 = __byte_perm(vlo[s2][0].word(w), vlo[s2][1].word(w), sel);  // rows gr, keys 2t, 2t + 1
+                const u32 x1 = __byte_perm(vhi[s2][0].word(w), vhi[s2][1].word(w), sel);  // rows gr + 8
+                const u32 x2 = __byte_perm(vlo[s2][2].word(w), vlo[s2][3].word(w), sel);  // rows gr, keys + 8
+                const u32 x3 = __byte_perm(vhi[s2][2].word(w), vhi[s2][3].word(w), sel);
+                const u32 a[4] = {e4m3x2_to_h2(x0), e4m3x2_to_h2(x1), e4m3x2_to_h2(x2), e4m3x2_to_h2(x3)};
+                mma16816<__half>(o[mt], a, pb0, pb1);
+                const u32 b[4] = {e4m3x2_to_h2(x0 >> 16), e4m3x2_to_h2(x1 >> 16), e4m3x2_to_h2(x2 >> 16),
+                                  e4m3x2_to_h2(x3 >> 16)};
+                mma16816<__half>(o[mt + 1], b, pb0, pb1);
+            }
+        }
+        if (kn < r1) load_v(bte, kn);
+        bte = bt_entry(kn + STRIDE);
+    }
+
+    // the quad's parts of the sum; then the warps' (m, l, O) through shared memory
+    lr += __shfl_xor_sync(FULL_MASK, lr, 1);
+    lr += __shfl_xor_sync(FULL_MASK, lr, 2);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int h = 2 * t + e;
+        if (h < ng) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                s_red[(warp * R + h) * D + gr * MT + mt] = o[mt][e];
+                s_red[(warp * R + h) * D + (gr + 8) * MT + mt] = o[mt][2 + e];
+            }
+        }
+    }
+    if (t == 0 && gr < ng) {
+        s_ml[(warp * R + gr) * 2] = mr;
+        s_ml[(warp * R + gr) * 2 + 1] = lr;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
+        const int g = idx / D;
+        const int d = idx - g * D;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < DM_WARPS; ++w) M = fmaxf(M, s_ml[(w * R + g) * 2]);
+        const float M_use = (M == neg_inf()) ? 0.f : M;
+        float L = 0.f, val = 0.f;
+#pragma unroll
+        for (int w = 0; w < DM_WARPS; ++w) {
+            const float wt = exp2f(s_ml[(w * R + g) * 2] - M_use);
+            L = fmaf(wt, s_ml[(w * R + g) * 2 + 1], L);
+            val = fmaf(wt, s_red[(w * R + g) * D + d], val);
+        }
+        val *= v_scale;
+        const i64 hrow = (i64)seq * num_heads + head0 + g;
+        if (direct) {
+            out[hrow * D + d] = Cvt<T>::from(val / L);
+        } else {
+            part_out[(hrow * Z + split) * D + d] = val;
+            if (d == 0) {
+                part_m[hrow * Z + split] = M;
+                part_l[hrow * Z + split] = L;
+            }
+        }
+    }
+}

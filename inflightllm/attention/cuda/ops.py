@@ -29,7 +29,7 @@ DECODE_MAXG = (
 )  # query heads per decode block (a GQA group is split into chunks of these)
 HEAD_DIMS = (64, 128)
 DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2", "v4": "paged_decode_v4"}  # docs/CUDA-KERNELS.md
-DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce", "v4": "decode_reduce"}
+DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce", "v4": "decode_reduce", "v5": "decode_reduce"}
 # paged_decode_v4: tiles in its shared-memory ring (loads in flight: STAGES - 1 tiles ahead of
 # the one scored). INFLIGHTLLM_DECODE_STAGES overrides it (benchmarks): 2, 3 or 4.
 DECODE_STAGES = 3
@@ -49,7 +49,11 @@ _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 # FP8 KV cache (kv_cache_dtype "fp8"): the cache's element type in kernels.cu (e4m3 bytes), the
 # decode kernels that read it (v1 does not) and the elements reshape_and_cache_fp8 takes a thread.
 FP8_CTYPE = "fp8e4m3"
-FP8_DECODE_KERNELS = ("v2", "v4")
+FP8_DECODE_KERNELS = ("v2", "v4", "v5")
+# paged_decode_v5 (an FP8 cache, 16-bit queries, tensor cores): query heads a block (larger GQA
+# groups take several blocks) and resident blocks a SM (its __launch_bounds__ minimum).
+DECODE_V5_HEADS = 8
+DECODE_V5_BLOCKS_PER_SM = 3
 _FP8_RESHAPE_N = (8, 1)
 
 
@@ -69,6 +73,10 @@ def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache
     cache = f",{cache_ctype}" if cache_ctype and cache_ctype != ctype else ""
     if cache and variant not in FP8_DECODE_KERNELS:
         raise ValueError(f"decode kernel {variant!r} does not read an FP8 cache (those that do: {FP8_DECODE_KERNELS})")
+    if variant == "v5":
+        if not cache or ctype == "float":
+            raise ValueError("decode kernel 'v5' reads only an FP8 cache, with fp16 / bf16 queries")
+        return f"paged_decode_v5<{ctype},{head_dim}{cache}>"  # DECODE_V5_HEADS a block, whatever maxg
     if variant == "v4":
         return f"paged_decode_v4<{ctype},{head_dim},{maxg},{decode_stages()}{cache}>"
     return f"{DECODE_KERNELS[variant]}<{ctype},{head_dim},{maxg}{cache}>"
@@ -174,8 +182,10 @@ def fp8_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions
         raise ValueError(f"unsupported head_dim {head_dim} (supported: {HEAD_DIMS})")
     t = CTYPE[dtype]
     names = [
-        decode_kernel_name(variant, t, head_dim, g, FP8_CTYPE) for variant in FP8_DECODE_KERNELS for g in DECODE_MAXG
+        decode_kernel_name(variant, t, head_dim, g, FP8_CTYPE) for variant in ("v2", "v4") for g in DECODE_MAXG
     ]
+    if dtype != torch.float32:
+        names.append(decode_kernel_name("v5", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE))
     names += [f"reshape_and_cache_fp8<{t},{n}>" for n in _FP8_RESHAPE_N]
     names.append(f"gather_kv_fp8<{t}>")
     return _Functions(tuple(names), device)
@@ -240,8 +250,11 @@ def _i64(x: int) -> np.int64:
     return np.int64(x)
 
 
-def decode_group_split(group: int) -> tuple[int, int]:
-    """(MAXG, blocks per kv head) for a GQA group of `group` query heads."""
+def decode_group_split(group: int, variant: str | None = None) -> tuple[int, int]:
+    """(MAXG, blocks per kv head) for a GQA group of `group` query heads (variant "v5": its
+    DECODE_V5_HEADS a block)."""
+    if variant == "v5":
+        return DECODE_V5_HEADS, -(-group // DECODE_V5_HEADS)
     for maxg in DECODE_MAXG:
         if group <= maxg:
             return maxg, 1
@@ -320,8 +333,10 @@ def reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_sc
     _launch(fn, (num_tokens,), 128, args, stream)
 
 
-def decode_blocks_per_sm(maxg: int) -> int:
+def decode_blocks_per_sm(maxg: int, variant: str | None = None) -> int:
     """Resident decode blocks per SM (the kernels' __launch_bounds__ minimum)."""
+    if variant == "v5":
+        return DECODE_V5_BLOCKS_PER_SM
     return 3 if maxg >= 8 else 4
 
 
@@ -367,10 +382,10 @@ def paged_decode(
     num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With v2 a
     context of n tokens uses only ceil(n / per) of them, per = max(ceil(n / Z) rounded up to
     32, min_split) (kernels.cu, decode_split_tokens), and its decode_reduce merges only those.
-    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache (v2 / v4 only), else None: k_scale
+    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache (v2, v4, v5), else None: k_scale
     goes into the query's scale, v_scale into the kernel's output."""
     group = num_heads // num_kv_heads
-    maxg, per_kv = decode_group_split(group)
+    maxg, per_kv = decode_group_split(group, variant)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
     fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
@@ -420,15 +435,15 @@ def paged_decode(
 def paged_decode_partials(query, key_cache, value_cache, block_tables, context_lens, num_decodes, num_splits,
                           num_heads, num_kv_heads, head_dim, bs_shift, scale, stream, variant="v2",
                           min_split=DECODE_MIN_SPLIT_TOKENS, kv_scales=None):
-    """paged_decode's flash-decoding kernel (v2 / v4) without its reduce: the partials of every
+    """paged_decode's flash-decoding kernel (v2, v4, v5) without its reduce: the partials of every
     split, also when a context has one split. Returns (part_out [num_decodes, num_heads, Z, D]
     float32, unnormalised, v_scale applied; part_m [.., Z] running max in log2 units; part_l
     [.., Z] sum of weights). A split with no tokens (or an empty context) keeps (0, -inf, 0),
     which a merge weighs as nothing. Cascade decode (backend.CudaPagedAttention) merges a
     group's shared-prefix partials with each sequence's own (suffix) partials. No window."""
-    assert variant in ("v2", "v4") and 1 <= num_splits <= MAX_SPLITS
+    assert variant in ("v2", "v4", "v5") and 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
-    maxg, per_kv = decode_group_split(group)
+    maxg, per_kv = decode_group_split(group, variant)
     fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
     device = query.device
     part_out = torch.zeros((num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
