@@ -14,6 +14,8 @@
 //                                  CT = fp8e4m3: reads an FP8 cache (CT defaults to T)
 //   paged_decode_v4<T, D, MAXG, S[, CT]> version 2 with its K/V loads pipelined S - 1 tiles ahead
 //                                  by cp.async into shared memory (the default where unsplit)
+//   paged_decode_v5<T, D, fp8e4m3>  flash-decoding of an FP8 cache on tensor cores (mma.sync in
+//                                  f16; the default for an FP8 cache with fp16 / bf16 queries)
 //   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
 //   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
 //   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
