@@ -777,6 +777,42 @@ __device__ __forceinline__ void decode_tile(const LT (&kv)[U], const LT (&vv)[U]
 
 __device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
 
+// The last step of a decode block: its warps' (max, sum, unnormalised output) of `ng` query heads,
+// s_ml [(warp * ROWS + g) * 2 + {0, 1}] and s_red [(warp * ROWS + g) * D + d], merged; times
+// v_scale when SCALE (an FP8 cache); the normalised output when `direct` (the only split), else
+// the split's partials. hrow0: the first head's row (seq * num_heads + its head).
+template <typename T, int D, int WARPS, int ROWS, bool SCALE>
+__device__ __forceinline__ void decode_merge_warps(const float* s_red, const float* s_ml, int ng, int tid,
+                                                   float v_scale, bool direct, T* out, float* part_out,
+                                                   float* part_m, float* part_l, i64 hrow0, int Z, int split) {
+    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
+        const int g = idx / D;
+        const int d = idx - g * D;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, s_ml[(w * ROWS + g) * 2]);
+        const float M_use = (M == neg_inf()) ? 0.f : M;
+        float L = 0.f, v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float wt = exp2f(s_ml[(w * ROWS + g) * 2] - M_use);
+            L = fmaf(wt, s_ml[(w * ROWS + g) * 2 + 1], L);
+            v = fmaf(wt, s_red[(w * ROWS + g) * D + d], v);
+        }
+        if constexpr (SCALE) v *= v_scale;
+        const i64 hrow = hrow0 + g;
+        if (direct) {
+            out[hrow * D + d] = Cvt<T>::from(v / L);
+        } else {
+            part_out[(hrow * Z + split) * D + d] = v;
+            if (d == 0) {
+                part_m[hrow * Z + split] = M;
+                part_l[hrow * Z + split] = L;
+            }
+        }
+    }
+}
+
 // The body of versions 2 (STAGES == 0: loads into registers) and 4 (STAGES >= 2: the ring
 // `ring`, which also holds s_red / s_ml once the tokens are done).
 //
@@ -993,33 +1029,8 @@ __device__ __forceinline__ void paged_decode_body(
             }
     }
     __syncthreads();
-    // merge the warps
-    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
-        const int g = idx / D;
-        const int d = idx - g * D;
-        float M = neg_inf();
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_ml[(w * MAXG + g) * 2]);
-        const float M_use = (M == neg_inf()) ? 0.f : M;
-        float L = 0.f, v = 0.f;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) {
-            const float wt = exp2f(s_ml[(w * MAXG + g) * 2] - M_use);
-            L = fmaf(wt, s_ml[(w * MAXG + g) * 2 + 1], L);
-            v = fmaf(wt, s_red[(w * MAXG + g) * D + d], v);
-        }
-        if constexpr (FP8) v *= v_scale;
-        const i64 hrow = (i64)seq * num_heads + head0 + g;
-        if (direct) {
-            out[hrow * D + d] = Cvt<T>::from(v / L);
-        } else {
-            part_out[(hrow * Z + split) * D + d] = v;
-            if (d == 0) {
-                part_m[hrow * Z + split] = M;
-                part_l[hrow * Z + split] = L;
-            }
-        }
-    }
+    decode_merge_warps<T, D, DEC_WARPS, MAXG, FP8>(s_red, s_ml, ng, tid, v_scale, direct, out, part_out, part_m, part_l,
+                                                   (i64)seq * num_heads + head0, Z, split);
 }
 
 // v_scale: the FP8 cache's value scale (ignored when CT == T).
@@ -1900,30 +1911,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
         s_ml[(warp * R + gr) * 2 + 1] = lr;
     }
     __syncthreads();
-    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
-        const int g = idx / D;
-        const int d = idx - g * D;
-        float M = neg_inf();
-#pragma unroll
-        for (int w = 0; w < DM_WARPS; ++w) M = fmaxf(M, s_ml[(w * R + g) * 2]);
-        const float M_use = (M == neg_inf()) ? 0.f : M;
-        float L = 0.f, val = 0.f;
-#pragma unroll
-        for (int w = 0; w < DM_WARPS; ++w) {
-            const float wt = exp2f(s_ml[(w * R + g) * 2] - M_use);
-            L = fmaf(wt, s_ml[(w * R + g) * 2 + 1], L);
-            val = fmaf(wt, s_red[(w * R + g) * D + d], val);
-        }
-        val *= v_scale;
-        const i64 hrow = (i64)seq * num_heads + head0 + g;
-        if (direct) {
-            out[hrow * D + d] = Cvt<T>::from(val / L);
-        } else {
-            part_out[(hrow * Z + split) * D + d] = val;
-            if (d == 0) {
-                part_m[hrow * Z + split] = M;
-                part_l[hrow * Z + split] = L;
-            }
-        }
-    }
+    decode_merge_warps<T, D, DM_WARPS, R, true>(s_red, s_ml, ng, tid, v_scale, direct, out, part_out, part_m, part_l,
+                                                (i64)seq * num_heads + head0, Z, split);
 }
