@@ -1195,6 +1195,41 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* smem) {
                  : "r"(smem_u32(smem)));
 }
 
+// The online-softmax step of a 16-row mma tile (prefill_mma, cascade_prefix_mma): a lane's
+// scores s[nt][0..1] (row g) and s[nt][2..3] (row g + 8), in log2 units and masked to -inf, whose
+// maxima over the lane are mx0 / mx1, become their weights; the rows' running max and sum
+// advance and the output o is rescaled.
+template <int NT, int DT>
+__device__ __forceinline__ void mma_tile_softmax(float (&s)[NT][4], float (&o)[DT][4], float mx0, float mx1,
+                                                 float& mrow0, float& mrow1, float& lrow0, float& lrow1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+    const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
+    const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
+    const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
+    const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
+    mrow0 = mn0; mrow1 = mn1;
+    float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - mu0);
+        s[nt][1] = exp2f(s[nt][1] - mu0);
+        s[nt][2] = exp2f(s[nt][2] - mu1);
+        s[nt][3] = exp2f(s[nt][3] - mu1);
+        ls0 += s[nt][0] + s[nt][1];
+        ls1 += s[nt][2] + s[nt][3];
+    }
+    lrow0 = lrow0 * corr0 + ls0;
+    lrow1 = lrow1 * corr1 + ls1;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] *= corr0; o[dt][1] *= corr0;
+        o[dt][2] *= corr1; o[dt][3] *= corr1;
+    }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
 prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
@@ -1312,32 +1347,7 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
             mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-        const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
-        const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
-        const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
-        const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
-        mrow0 = mn0; mrow1 = mn1;
-        float ls0 = 0.f, ls1 = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < PM_N / 8; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - mu0);
-            s[nt][1] = exp2f(s[nt][1] - mu0);
-            s[nt][2] = exp2f(s[nt][2] - mu1);
-            s[nt][3] = exp2f(s[nt][3] - mu1);
-            ls0 += s[nt][0] + s[nt][1];
-            ls1 += s[nt][2] + s[nt][3];
-        }
-        lrow0 = lrow0 * corr0 + ls0;
-        lrow1 = lrow1 * corr1 + ls1;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            o[dt][0] *= corr0; o[dt][1] *= corr0;
-            o[dt][2] *= corr1; o[dt][3] *= corr1;
-        }
+        mma_tile_softmax<PM_N / 8, D / 8>(s, o, mx0, mx1, mrow0, mrow1, lrow0, lrow1);
 
         cp_async_wait<1>();  // V(it) has landed (only K(it+1) may be in flight)
         __syncthreads();
@@ -1505,32 +1515,7 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
                 mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
                 mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
             }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-            const float mn0 = fmaxf(mrow0, mx0), mn1 = fmaxf(mrow1, mx1);
-            const float mu0 = (mn0 == neg_inf()) ? 0.f : mn0;
-            const float mu1 = (mn1 == neg_inf()) ? 0.f : mn1;
-            const float corr0 = exp2f(mrow0 - mu0), corr1 = exp2f(mrow1 - mu1);
-            mrow0 = mn0; mrow1 = mn1;
-            float ls0 = 0.f, ls1 = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < PM_N / 8; ++nt) {
-                s[nt][0] = exp2f(s[nt][0] - mu0);
-                s[nt][1] = exp2f(s[nt][1] - mu0);
-                s[nt][2] = exp2f(s[nt][2] - mu1);
-                s[nt][3] = exp2f(s[nt][3] - mu1);
-                ls0 += s[nt][0] + s[nt][1];
-                ls1 += s[nt][2] + s[nt][3];
-            }
-            lrow0 = lrow0 * corr0 + ls0;
-            lrow1 = lrow1 * corr1 + ls1;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][0] *= corr0; o[dt][1] *= corr0;
-                o[dt][2] *= corr1; o[dt][3] *= corr1;
-            }
+            mma_tile_softmax<PM_N / 8, D / 8>(s, o, mx0, mx1, mrow0, mrow1, lrow0, lrow1);
         }
 
         cp_async_wait<1>();  // V(it) has landed
