@@ -1230,6 +1230,46 @@ __device__ __forceinline__ void mma_tile_softmax(float (&s)[NT][4], float (&o)[D
     }
 }
 
+// S = Q K^T for a 16-row mma tile: the query's A fragments qf times the K tile of NK keys in
+// shared memory (rows of LDS elements); lane (g, t4) of the fragment layout.
+template <typename T, int D, int NK, int LDS>
+__device__ __forceinline__ void mma_tile_scores(const u32 (&qf)[D / 16][4], const T* sK, int g, int t4,
+                                                float (&s)[NK / 8][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
+            const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
+            mma16816<T>(s[nt], qf[kk], b0, b1);
+        }
+    }
+}
+
+// O += P V for a 16-row mma tile: the weights s (mma_tile_softmax's, as A fragments in T) times
+// the V tile of NK keys in shared memory (rows of LDS elements), its B fragments by ldmatrix.trans.
+template <typename T, int D, int NK, int LDS>
+__device__ __forceinline__ void mma_tile_pv(const float (&s)[NK / 8][4], const T* sV, int lane, float (&o)[D / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk) {
+        u32 a[4];
+        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        const int mi = lane >> 3, rr = lane & 7;
+        const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, vrow + dp * 16);
+            mma16816<T>(o[2 * dp], a, b[0], b[1]);
+            mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
 prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
@@ -1315,16 +1355,7 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
         __syncthreads();
 
         float s[PM_N / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < PM_N / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
-                const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
-                mma16816<T>(s[nt], qf[kk], b0, b1);
-            }
-        }
+        mma_tile_scores<T, D, PM_N, LDS>(qf, sK, g, t4, s);
         __syncthreads();  // every warp is done with sK
         if (it + 1 < ntiles) load_tile(sK, key_cache, k0 + PM_N);
         cp_async_commit();  // possibly empty group: keeps the wait counts uniform
@@ -1351,23 +1382,7 @@ prefill_mma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
 
         cp_async_wait<1>();  // V(it) has landed (only K(it+1) may be in flight)
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < PM_N / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const int mi = lane >> 3, rr = lane & 7;
-            const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, vrow + dp * 16);
-                mma16816<T>(o[2 * dp], a, b[0], b[1]);
-                mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
-            }
-        }
+        mma_tile_pv<T, D, PM_N, LDS>(s, sV, lane, o);
         __syncthreads();  // every warp is done with sV
     }
     cp_async_wait<0>();
@@ -1486,16 +1501,7 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
 
         float s[PM_N / 8][4];
         if (active) {
-#pragma unroll
-            for (int nt = 0; nt < PM_N / 8; ++nt) {
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const u32 b0 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 2 * t4]);
-                    const u32 b1 = *reinterpret_cast<const u32*>(&sK[(nt * 8 + g) * LDS + kk * 16 + 8 + 2 * t4]);
-                    mma16816<T>(s[nt], qf[kk], b0, b1);
-                }
-            }
+            mma_tile_scores<T, D, PM_N, LDS>(qf, sK, g, t4, s);
         }
         __syncthreads();  // every warp is done with sK
         if (it + 1 < ntiles) load_tile(sK, key_cache, k0 + PM_N);
@@ -1521,23 +1527,7 @@ cascade_prefix_mma(const T* __restrict__ q, const T* __restrict__ key_cache, con
         cp_async_wait<1>();  // V(it) has landed
         __syncthreads();
         if (active) {
-#pragma unroll
-            for (int kk = 0; kk < PM_N / 16; ++kk) {
-                u32 a[4];
-                a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                const int mi = lane >> 3, rr = lane & 7;
-                const T* vrow = &sV[(kk * 16 + (mi & 1) * 8 + rr) * LDS + (mi >> 1) * 8];
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, vrow + dp * 16);
-                    mma16816<T>(o[2 * dp], a, b[0], b[1]);
-                    mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
-                }
-            }
+            mma_tile_pv<T, D, PM_N, LDS>(s, sV, lane, o);
         }
         __syncthreads();  // every warp is done with sV
     }
