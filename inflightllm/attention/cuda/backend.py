@@ -43,12 +43,9 @@ PREFILL_DEFAULT = "flash"
 # "auto": v4 where the context is not split (a large batch: each block walks a whole context),
 # else v2, whose blocks then walk a tile or a few and which needs no large shared-memory carve-out
 # next to the small-batch kernels; with an FP8 cache and fp16 / bf16 queries, v5: tensor cores,
-# see FP8_DECODE_AUTO). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
+# docs/FP8-KV-CACHE.md). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
 DECODE_DEFAULT = "auto"
 DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "auto")
-# What "auto" takes for an FP8 cache with fp16 / bf16 queries: "v5" (paged_decode_v5, tensor
-# cores), or "v2/v4" as a 16-bit cache (CUDA cores). docs/FP8-KV-CACHE.md.
-FP8_DECODE_AUTO = "v5"
 KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
@@ -389,7 +386,7 @@ class CudaPagedAttention(AttentionBackend):
             raise ValueError(f"unsupported dtype {dtype}")
         if self.decode_impl == "v5" and dtype == torch.float32:
             raise ValueError("INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries (the model's dtype is float32); "
-                             f"allowed for float32: {', '.join(ops.FP8_DECODE_KERNELS[:2])}, auto")
+                             "allowed for float32: v2, v4, auto")
         if self.fp8:
             if self.kv_scales is None:
                 self.kv_scales = [(1.0, 1.0)] * num_layers
@@ -600,10 +597,10 @@ class CudaPagedAttention(AttentionBackend):
 
     def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
         """(the decode kernel of ops.DECODE_KERNELS or v5, its split count) for `num_decodes`
-        decodes: with "auto", v5 for an FP8 cache read by fp16 / bf16 queries (FP8_DECODE_AUTO),
-        else v4 where the contexts are not split, v2 where they are (DECODE_DEFAULT)."""
+        decodes: with "auto", v5 for an FP8 cache read by fp16 / bf16 queries, else v4 where the
+        contexts are not split, v2 where they are (DECODE_DEFAULT)."""
         impl = self.decode_impl
-        if impl == "auto" and self.fp8 and FP8_DECODE_AUTO == "v5" and self.query_dtype != torch.float32:
+        if impl == "auto" and self.fp8 and self.query_dtype != torch.float32:
             impl = "v5"
         if impl == "v5":
             return impl, self.decode_splits(num_decodes, variant="v5")

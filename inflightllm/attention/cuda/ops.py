@@ -435,15 +435,15 @@ def paged_decode(
 def paged_decode_partials(query, key_cache, value_cache, block_tables, context_lens, num_decodes, num_splits,
                           num_heads, num_kv_heads, head_dim, bs_shift, scale, stream, variant="v2",
                           min_split=DECODE_MIN_SPLIT_TOKENS, kv_scales=None):
-    """paged_decode's flash-decoding kernel (v2, v4, v5) without its reduce: the partials of every
+    """paged_decode's flash-decoding kernel (v2 / v4) without its reduce: the partials of every
     split, also when a context has one split. Returns (part_out [num_decodes, num_heads, Z, D]
     float32, unnormalised, v_scale applied; part_m [.., Z] running max in log2 units; part_l
     [.., Z] sum of weights). A split with no tokens (or an empty context) keeps (0, -inf, 0),
     which a merge weighs as nothing. Cascade decode (backend.CudaPagedAttention) merges a
     group's shared-prefix partials with each sequence's own (suffix) partials. No window."""
-    assert variant in ("v2", "v4", "v5") and 1 <= num_splits <= MAX_SPLITS
+    assert variant in ("v2", "v4") and 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
-    maxg, per_kv = decode_group_split(group, variant)
+    maxg, per_kv = decode_group_split(group)
     fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
     device = query.device
     part_out = torch.zeros((num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
