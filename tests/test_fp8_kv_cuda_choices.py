@@ -68,6 +68,9 @@ def test_constructor_refusals(monkeypatch):
                                          r"\(engine.kv_cache_dtype fp8\); allowed here: v1, v2, v4, auto"):
         CudaPagedAttention(8, 2, 64)
     assert CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").decode_impl == "v5"
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries \(the model's "
+                                         r"dtype is float32\); allowed for float32: v2, v4, auto"):
+        CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").allocate_kv_cache(4, 16, 1, 2, 64, torch.float32, "cpu")
 
 
 def test_fp8_scales_and_kernel_choice():

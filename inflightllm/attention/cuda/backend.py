@@ -376,6 +376,9 @@ class CudaPagedAttention(AttentionBackend):
     def allocate_kv_cache(
         self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device
     ):
+        if self.decode_impl == "v5" and dtype == torch.float32:  # (before CuPy: a CPU-testable refusal)
+            raise ValueError("INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries (the model's dtype is float32); "
+                             "allowed for float32: v2, v4, auto")
         import cupy
 
         if block_size <= 0 or block_size & (block_size - 1):
@@ -384,9 +387,6 @@ class CudaPagedAttention(AttentionBackend):
             raise ValueError("cache shape differs from the backend's heads")
         if dtype not in ops.CTYPE:
             raise ValueError(f"unsupported dtype {dtype}")
-        if self.decode_impl == "v5" and dtype == torch.float32:
-            raise ValueError("INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries (the model's dtype is float32); "
-                             "allowed for float32: v2, v4, auto")
         if self.fp8:
             if self.kv_scales is None:
                 self.kv_scales = [(1.0, 1.0)] * num_layers
