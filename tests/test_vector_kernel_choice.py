@@ -44,3 +44,23 @@ def test_rotary_takes_aligned_views_of_the_fused_qkv_rows():
     assert not ops.rotary_vector_ok(q, k, torch.zeros(4096, 2 * head_dim, dtype=torch.bfloat16)[:, :head_dim], head_dim)
     # half a head that is not whole 16-byte chunks: head_dim 24 in bf16 (12 elements)
     assert not ops.rotary_vector_ok(q, k, cos_sin, 24)
+
+
+def test_small_gemv_compile_settings_and_their_refusals(monkeypatch):
+    """The small-batch kernels' compile-time settings (perf/bench_small_gemv.py's variants):
+    the defaults, an override from the environment, and a value out of range refused by name."""
+    import pytest
+
+    monkeypatch.delenv("INFLIGHTLLM_FP8_GEMV_U", raising=False)
+    monkeypatch.delenv("INFLIGHTLLM_SMALL_BLOCKS", raising=False)
+    assert ops.small_gemv_defines() == (f"-DFP8_GEMV_U={ops.FP8_GEMV_U}", f"-DSMALL_BLOCKS_M1={ops.SMALL_BLOCKS_M1}")
+    monkeypatch.setenv("INFLIGHTLLM_FP8_GEMV_U", "16")
+    monkeypatch.setenv("INFLIGHTLLM_SMALL_BLOCKS", "2")
+    assert ops.small_gemv_defines() == ("-DFP8_GEMV_U=16", "-DSMALL_BLOCKS_M1=2")
+    monkeypatch.setenv("INFLIGHTLLM_FP8_GEMV_U", "0")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_FP8_GEMV_U='0': an integer in 1\.\.32"):
+        ops.small_gemv_defines()
+    monkeypatch.setenv("INFLIGHTLLM_FP8_GEMV_U", "8")
+    monkeypatch.setenv("INFLIGHTLLM_SMALL_BLOCKS", "two")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_SMALL_BLOCKS='two': an integer in 1\.\.8"):
+        ops.small_gemv_defines()

@@ -485,8 +485,17 @@ __device__ __forceinline__ void unpack(const uint4& v, float* f, float) {
 // meet one 16-byte chunk of 16-bit activations, converted in registers (cvt f16x2.e4m3x2: exact),
 // the row's channel scale applied to the finished dot product. More chunks in flight (U) than
 // for 16-bit weights: the same bytes in flight per lane.
+// FP8_GEMV_U: the FP8 chunks in flight a lane; SMALL_BLOCKS_M1: the resident blocks a SM that
+// the one-token kernels' register budget is set for (__launch_bounds__). Both are defined by
+// ops.small_gemv_defines (INFLIGHTLLM_FP8_GEMV_U and INFLIGHTLLM_SMALL_BLOCKS for benchmarks).
+#ifndef FP8_GEMV_U
+#define FP8_GEMV_U 8
+#endif
+#ifndef SMALL_BLOCKS_M1
+#define SMALL_BLOCKS_M1 3
+#endif
 template <typename T, typename WT> struct WChunk { using type = uint4; static constexpr int U = 4; };
-template <typename T> struct WChunk<T, unsigned char> { using type = uint2; static constexpr int U = 8; };
+template <typename T> struct WChunk<T, unsigned char> { using type = uint2; static constexpr int U = FP8_GEMV_U; };
 
 __device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
     const unsigned int words[2] = {v.x, v.y};
@@ -727,7 +736,7 @@ __device__ __forceinline__ void norm_prologue(T* xs, const T* __restrict__ resid
 // with a slot_mapping, k and v are written to the paged KV cache too.
 // Dynamic shared memory: M * K * sizeof(T).
 template <typename T, typename WT, int M>
-__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
+__global__ void __launch_bounds__(256, M == 1 ? SMALL_BLOCKS_M1 : 2) qkv_norm_rope(
         T* __restrict__ qkv, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
         const T* __restrict__ norm_weight, const WT* __restrict__ W, const float* __restrict__ wscale,
         const T* __restrict__ bias,
@@ -815,7 +824,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) qkv_norm_rope(
 // act[m, j] = silu(gate_j . x[m]) * (up_j . x[m]) with x[m] = rmsnorm(residual_in[m] + delta[m]);
 // W = [gate (inter rows) | up (inter rows)]; one warp per j. Dynamic shared memory: M * K * sizeof(T).
 template <typename T, typename WT, int M>
-__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
+__global__ void __launch_bounds__(256, M == 1 ? SMALL_BLOCKS_M1 : 2) gate_up_norm_silu(
         T* __restrict__ act, const T* __restrict__ residual_in, const T* __restrict__ delta, T* __restrict__ residual_out,
         const T* __restrict__ norm_weight, const WT* __restrict__ W, const float* __restrict__ wscale,
         const T* __restrict__ bias,
@@ -862,7 +871,7 @@ __global__ void __launch_bounds__(256, M == 1 ? 3 : 2) gate_up_norm_silu(
 // summed over the ranks ("The all-reduce fused into the small-batch GEMVs"; N even, and
 // 2 * N * count * sizeof(T) bytes must fit a slot).
 template <typename T, typename WT, int M>
-__global__ void __launch_bounds__(256, M == 1 ? 3 : 2) small_gemv(
+__global__ void __launch_bounds__(256, M == 1 ? SMALL_BLOCKS_M1 : 2) small_gemv(
         T* __restrict__ out, const T* __restrict__ x, const WT* __restrict__ W, const float* __restrict__ wscale,
         const T* __restrict__ bias, int N, int count, int K,
         const unsigned long long* __restrict__ fused_bases, const volatile int* fused_abort, long long fused_slots,

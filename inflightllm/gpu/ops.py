@@ -277,6 +277,25 @@ def _weight_type(dtype: torch.dtype, fp8: bool) -> str:
     return "unsigned char" if fp8 else CUDA_TYPES[dtype]
 
 
+# The FP8 weight chunks (8 bytes) a lane has in flight, and the resident blocks a SM the
+# one-token kernels are built for (their registers: 3 -> at most 85). INFLIGHTLLM_FP8_GEMV_U
+# and INFLIGHTLLM_SMALL_BLOCKS override them (perf/bench_small_gemv.py's variants).
+FP8_GEMV_U = 8
+SMALL_BLOCKS_M1 = 3
+
+
+def small_gemv_defines() -> tuple[str, ...]:
+    """The small-batch kernels' compile-time settings, as nvrtc options."""
+    values = {}
+    for env, name, default, allowed in (("INFLIGHTLLM_FP8_GEMV_U", "FP8_GEMV_U", FP8_GEMV_U, range(1, 33)),
+                                        ("INFLIGHTLLM_SMALL_BLOCKS", "SMALL_BLOCKS_M1", SMALL_BLOCKS_M1, range(1, 9))):
+        text = os.environ.get(env, "").strip()
+        if text and not (text.isdigit() and int(text) in allowed):
+            raise ValueError(f"{env}={text!r}: an integer in {allowed.start}..{allowed.stop - 1}")
+        values[name] = int(text) if text else default
+    return tuple(f"-D{name}={value}" for name, value in values.items())
+
+
 @functools.cache
 def _small_module(dtype: torch.dtype, device: int, fp8: bool = False):
     import cupy
@@ -284,7 +303,7 @@ def _small_module(dtype: torch.dtype, device: int, fp8: bool = False):
     ctype, wtype = CUDA_TYPES[dtype], _weight_type(dtype, fp8)
     names = [f"{kernel}<{ctype},{wtype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=_source(), options=("-std=c++17", *small_gemv_defines()), name_expressions=names)
         module.compile()
     return module
 
