@@ -16,7 +16,8 @@ from inflightllm.attention.cuda.backend import CudaPagedAttention
 
 @pytest.fixture(autouse=True)
 def _fresh_knobs(monkeypatch):
-    for name in ("INFLIGHTLLM_DECODE_IMPL", "INFLIGHTLLM_DECODE_STAGES", "INFLIGHTLLM_DECODE_MIN_SPLIT"):
+    for name in ("INFLIGHTLLM_DECODE_IMPL", "INFLIGHTLLM_DECODE_STAGES", "INFLIGHTLLM_DECODE_MIN_SPLIT",
+                 "INFLIGHTLLM_DECODE_V5_KV_HEADS"):
         monkeypatch.delenv(name, raising=False)
     ops.decode_stages.cache_clear()
     yield
@@ -33,7 +34,12 @@ def test_fp8_kernel_names_take_the_cache_type_last():
     assert ops.decode_kernel_name("v2", "__half", 64, 2, "__half") == "paged_decode_v2<__half,64,2>"
     with pytest.raises(ValueError, match=r"decode kernel 'v1' does not read an FP8 cache"):
         ops.decode_kernel_name("v1", "__nv_bfloat16", 128, 4, ops.FP8_CTYPE)
-    assert ops.decode_kernel_name("v5", "__half", 64, 8, ops.FP8_CTYPE) == "paged_decode_v5<__half,64,fp8e4m3>"
+    assert ops.decode_kernel_name("v5", "__half", 64, 8, ops.FP8_CTYPE) == "paged_decode_v5<__half,64,1,fp8e4m3>"
+    assert ops.decode_kernel_name("v5", "__nv_bfloat16", 128, 4, ops.FP8_CTYPE, 4) == (
+        "paged_decode_v5<__nv_bfloat16,128,4,fp8e4m3>"
+    )
+    with pytest.raises(ValueError, match=r"decode kernel 'v5': 3 kv heads a block \(allowed: \(1, 2, 4\)\)"):
+        ops.decode_kernel_name("v5", "__half", 64, 8, ops.FP8_CTYPE, 3)
     for ctype, cache in (("float", ops.FP8_CTYPE), ("__half", None)):
         with pytest.raises(ValueError, match=r"decode kernel 'v5' reads only an FP8 cache, with fp16 / bf16 queries"):
             ops.decode_kernel_name("v5", ctype, 64, 8, cache)
@@ -73,16 +79,43 @@ def test_constructor_refusals(monkeypatch):
         CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").allocate_kv_cache(4, 16, 1, 2, 64, torch.float32, "cpu")
 
 
+def test_v5_kv_heads_and_splits():
+    """paged_decode_v5's kv heads a block (at most the model's, a power of two) and its split
+    count (ops.wave_splits: waves of blocks as full as can be, each split costing a little),
+    with 3 blocks a SM on 132 SMs."""
+    assert [ops.v5_kv_heads(k) for k in (1, 2, 3, 4, 8)] == [1, 2, 2, 4, 4]
+    assert ops.v5_kv_heads(8, 1) == 1 and ops.v5_kv_heads(3, 4) == 2
+    slots = ops.DECODE_V5_BLOCKS_PER_SM * 132
+    # 8 kv heads in blocks of 4: 2 blocks a decode
+    assert [ops.wave_splits(2 * nd, slots, 64) for nd in (1, 32, 256, 512, 1024)] == [64, 6, 3, 3, 2]
+    assert ops.wave_splits(8, slots, 4) == 4  # capped (max_model_len / 128)
+    assert ops.wave_splits(10**6, slots, 0) == 1
+
+
+def test_v5_kv_heads_by_batch_and_from_the_environment(monkeypatch):
+    attention = CudaPagedAttention(32, 8, 128, kv_cache_dtype="fp8")
+    assert attention.v5_kv_heads is None
+    # a block a kv head until 8 kv heads x decodes fill the 396 resident blocks once, then 4
+    assert [attention.v5_blocking(nd) for nd in (1, 49, 50, 1024)] == [1, 1, 4, 4]
+    assert CudaPagedAttention(9, 3, 64, kv_cache_dtype="fp8").v5_blocking(1024) == 2  # SmolLM2: 3 kv heads
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_KV_HEADS", "1")
+    attention = CudaPagedAttention(32, 8, 128, kv_cache_dtype="fp8")
+    assert attention.v5_kv_heads == 1 and attention.v5_blocking(1024) == 1
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_KV_HEADS", "3")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_V5_KV_HEADS='3': 1, 2 or 4"):
+        CudaPagedAttention(32, 8, 128, kv_cache_dtype="fp8")
+
+
 def test_fp8_scales_and_kernel_choice():
     attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8",
                                    kv_scales=[(0.5, 2), (1, 1)])
     assert attention.fp8 and attention.kv_scales == [(0.5, 2.0), (1.0, 1.0)]
     assert all(isinstance(x, float) for pair in attention.kv_scales for x in pair)
-    # fp16 / bf16 queries: v5 (tensor cores; 3 blocks a SM, 8 heads a block), split as far as the
-    # GPU's blocks go (3 x 132 SMs / 8 kv heads = 49)
+    # fp16 / bf16 queries: v5 (tensor cores, 3 blocks a SM), split so that its waves of blocks come
+    # close to full: one decode, a block a kv head, 49 splits; 1,024, blocks of 4 kv heads, 2
     attention.query_dtype = torch.bfloat16
     assert attention.decode_kernel(1) == ("v5", 49)
-    assert attention.decode_kernel(1024) == ("v5", 1)
+    assert attention.decode_kernel(1024) == ("v5", 2)
     # float32 queries: the kernels of an unquantized cache, v4 where unsplit, else v2
     attention.query_dtype = torch.float32
     assert attention.decode_kernel(1) == ("v2", 64)

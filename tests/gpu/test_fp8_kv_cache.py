@@ -16,6 +16,7 @@ Run on a GPU machine:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -194,7 +195,10 @@ def test_mixed_batch_bf16(head_dim, group, scales):
     assert case.backend._flash_error is None, case.backend._flash_error
     check_v4(case, v2, label + " flash,", "flash")
     case.check(case.run("mma", decode="v2"), label + " mma (dequantized scratch cache), decode v2")
-    case.check(case.run("flash", decode="v5"), label + " flash, decode v5 (tensor cores)")
+    for kv_heads in (1, 2, 4):  # kv heads a block (more than the model has: spare warps)
+        case.backend.v5_kv_heads = kv_heads
+        case.check(case.run("flash", decode="v5"), label + f" flash, decode v5 (tensor cores), {kv_heads} kv heads a block")
+    case.backend.v5_kv_heads = None
     assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v5"
     case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v5)")
 
@@ -455,14 +459,14 @@ def test_decode_v4_fp8_keeps_the_blocks_per_sm():
                     ctypes.c_size_t(smem))
                 assert status == 0, status
                 assert blocks.value >= ops.decode_blocks_per_sm(maxg), (dtype, maxg, head_dim, blocks.value)
-    for head_dim in ops.HEAD_DIMS:  # v5: its static shared memory and registers
+    for head_dim, kv_heads in itertools.product(ops.HEAD_DIMS, ops.DECODE_V5_KV_HEAD_CHOICES):  # v5
         mod = ops.fp8_module(torch.bfloat16, head_dim, torch.cuda.current_device())
-        fn = mod.get(ops.decode_kernel_name("v5", "__nv_bfloat16", head_dim, 8, ops.FP8_CTYPE))
+        fn = mod.get(ops.decode_kernel_name("v5", "__nv_bfloat16", head_dim, 8, ops.FP8_CTYPE, kv_heads))
         blocks = ctypes.c_int()
         status = pdl._driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(blocks), ctypes.c_void_p(fn.kernel.ptr), ctypes.c_int(ops.DECODE_THREADS), ctypes.c_size_t(0))
         assert status == 0, status
-        assert blocks.value >= ops.decode_blocks_per_sm(8, "v5"), (head_dim, blocks.value)
+        assert blocks.value >= ops.decode_blocks_per_sm(8, "v5"), (head_dim, kv_heads, blocks.value)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -655,8 +659,11 @@ def test_fp8_decode_timings():
     max_model_len = 8192
     num_blocks = 256 * 2048 // bs + 64
     rows, times = [], {}
-    for kind, decode in (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "auto")):  # fp8 auto: v5
+    cases = (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "v5 1 kv head"), ("fp8", "auto"))  # fp8 auto: v5, 4 kv heads
+    for kind, decode in cases:
         backend = CudaPagedAttention(h, kvh, d, max_model_len=max_model_len, kv_cache_dtype=kind)
+        if decode == "v5 1 kv head":
+            backend.v5_kv_heads = 1
         backend.allocate_kv_cache(num_blocks, bs, 1, kvh, d, torch.bfloat16, DEV)
         if kind == "fp8":
             backend.kv_cache.copy_(quantize_with_scale(torch.randn(backend.kv_cache.shape, device=DEV), 1.0).view(torch.uint8))

@@ -61,6 +61,17 @@ def default_decode_impl() -> str:
     return impl
 
 
+def default_v5_kv_heads() -> int | None:
+    """paged_decode_v5's kv heads a block: None (CudaPagedAttention.v5_blocking chooses), or
+    INFLIGHTLLM_DECODE_V5_KV_HEADS (benchmarks): 1, 2 or 4."""
+    text = os.environ.get("INFLIGHTLLM_DECODE_V5_KV_HEADS", "").strip()
+    if not text:
+        return None
+    if text not in {str(h) for h in ops.DECODE_V5_KV_HEAD_CHOICES}:
+        raise ValueError(f"INFLIGHTLLM_DECODE_V5_KV_HEADS={text!r}: 1, 2 or 4 (kv heads a block of paged_decode_v5)")
+    return int(text)
+
+
 def default_decode_min_split() -> int:
     """The fewest tokens a split of paged_decode_v2 takes (ops.DECODE_MIN_SPLIT_TOKENS);
     INFLIGHTLLM_DECODE_MIN_SPLIT overrides it: a positive multiple of 32."""
@@ -336,6 +347,7 @@ class CudaPagedAttention(AttentionBackend):
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
+        self.v5_kv_heads = default_v5_kv_heads()  # v5: kv heads a block, None: v5_blocking chooses
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype == "fp8"
         if self.decode_impl == "v5" and not self.fp8:
@@ -587,13 +599,29 @@ class CudaPagedAttention(AttentionBackend):
         """Splits of each decode's context (flash-decoding): as many as fit the GPU's resident
         blocks in one wave (floor, so no partial second wave), at most one per 128 tokens of
         max_model_len. `group`: query heads per kv head (default the model's; cascade decode's
-        prefix pass has width x that); `variant` "v5": that kernel's heads and blocks a SM.
-        Depends on host ints only (graph-safe)."""
+        prefix pass has width x that); `variant` "v5": that kernel's heads and blocks a SM, and
+        the count whose waves of blocks come closest to full (ops.wave_splits: its blocks of 4
+        kv heads are few). Depends on host ints only (graph-safe)."""
         maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads, variant)
-        base = self.num_kv_heads * per_kv * max(1, num_decodes)
         slots = ops.decode_blocks_per_sm(maxg, variant) * self._num_sms
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
+        if variant == "v5":
+            base = -(-self.num_kv_heads // self.v5_blocking(num_decodes)) * per_kv * max(1, num_decodes)
+            return ops.wave_splits(base, slots, cap)
+        base = self.num_kv_heads * per_kv * max(1, num_decodes)
         return max(1, min(slots // base, cap))
+
+    def v5_blocking(self, num_decodes: int) -> int:
+        """paged_decode_v5's kv heads a block for `num_decodes` decodes (host ints only): one
+        where a block a kv head does not fill the GPU's resident blocks once (small batches:
+        more blocks in flight), else ops.DECODE_V5_KV_HEADS (or the most the model has);
+        v5_kv_heads (INFLIGHTLLM_DECODE_V5_KV_HEADS) when set."""
+        if self.v5_kv_heads is not None:
+            return ops.v5_kv_heads(self.num_kv_heads, self.v5_kv_heads)
+        _, per_kv = ops.decode_group_split(self.num_heads // self.num_kv_heads, "v5")
+        if self.num_kv_heads * per_kv * max(1, num_decodes) < ops.DECODE_V5_BLOCKS_PER_SM * self._num_sms:
+            return 1
+        return ops.v5_kv_heads(self.num_kv_heads)
 
     def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
         """(the decode kernel of ops.DECODE_KERNELS or v5, its split count) for `num_decodes`
@@ -666,6 +694,7 @@ class CudaPagedAttention(AttentionBackend):
                 impl,
                 self.decode_min_split,
                 scales,
+                self.v5_blocking(nd) if impl == "v5" else 1,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:
             kind = self.prefill_kind(query.dtype)

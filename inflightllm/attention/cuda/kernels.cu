@@ -1619,7 +1619,7 @@ cascade_merge(const float* __restrict__ p_o, const float* __restrict__ p_m, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// paged_decode_v5<T, D[, CT]>: flash-decoding of an FP8 cache on tensor cores. Versions 2 and 4
+// paged_decode_v5<T, D, HW[, CT]>: flash-decoding of an FP8 cache on tensor cores. Versions 2 and 4
 // score an FP8 cache on CUDA cores: at half the bytes of a 16-bit cache they are bound by the
 // e4m3 conversions and the dot products (0.90x bf16's time at 256 x 2,048), not by memory.
 // Here each warp scores 32-key tiles with mma.sync.m16n8k16 in f16 (e4m3 converts to f16
@@ -1632,10 +1632,13 @@ cascade_merge(const float* __restrict__ p_o, const float* __restrict__ p_m, cons
 // [g D/16, (g + 1) D/16) and [(g + 8) D/16, (g + 9) D/16) of its value rows; __byte_perm pairs
 // two keys' bytes for V^T's A fragment. The query is converted to f16 after its scale
 // (scale_log2, which carries k_scale); P is f16 in [0, 1]; the output is multiplied by v_scale.
-// A warp takes tiles warp, warp + 4, ... of the block's split; a tile's block-table entries come
-// in one load by the warp's lanes, a tile ahead, and reach the lanes that need them by shuffle.
-// Grid, splits, partials and decode_reduce as version 2 (groups of more than 8 heads: blocks of
-// 8 heads, ops.decode_group_split).
+// A block's 4 warps serve HW kv heads of a sequence (warp w: kv head w % HW), the KW = 4 / HW
+// warps of a head taking tiles w / HW, w / HW + KW, ... of the split: with HW = 4 the warps read
+// the 4 heads' rows of the same tokens at about the same time (512 contiguous bytes of each
+// token's row rather than 128 scattered ones). A tile's block-table entries come in one load by
+// the warp's lanes, a tile ahead, and reach the lanes that need them by shuffle. Grid
+// (ceil(kv heads / HW) x head groups, decodes, splits), splits, partials and decode_reduce as
+// version 2 (groups of more than 8 heads: warps of 8 heads, ops.decode_group_split).
 #define DM_WARPS 4
 #define DM_KEYS 32
 
@@ -1683,12 +1686,14 @@ template <> struct RowBytes<4> {
     __device__ __forceinline__ u32 word(int) const { return v; }
 };
 
-template <typename T, int D, typename CT = fp8e4m3>
+template <typename T, int D, int HW, typename CT = fp8e4m3>
 __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_PARAMS) {
     pdl_trigger();
     static_assert(sizeof(CT) == 1, "an FP8 cache");
     static_assert(D == 64 || D == 128, "head_dim");
-    constexpr int R = 8;              // query heads a block
+    static_assert(HW == 1 || HW == 2 || HW == 4, "kv heads a block");
+    constexpr int KW = DM_WARPS / HW;  // warps that share a kv head's keys (tiles kp, kp + KW, ...)
+    constexpr int R = 8;              // query heads a warp
     constexpr int KB = D / 4;         // bytes of a key row a lane holds
     constexpr int MT = D / 16;        // m-tiles of O^T; a lane holds MT bytes of a value row twice
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
@@ -1696,16 +1701,19 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     __shared__ float s_red[DM_WARPS * R * D];
     __shared__ float s_ml[DM_WARPS * R * 2];
 
-    const int kvh = blockIdx.x / groups_per_kv;
-    const int hg = blockIdx.x - kvh * groups_per_kv;
+    // blockIdx.x: (HW kv heads kq HW.., head group hg); warp: kv head kq HW + warp % HW, key phase warp / HW
+    const int kq = blockIdx.x / groups_per_kv;
+    const int hg = blockIdx.x - kq * groups_per_kv;
     const int g0 = hg * R;
     const int ng = min(R, group - g0);
-    const int head0 = kvh * group + g0;
     const int seq = blockIdx.y;
     const int split = blockIdx.z;
     const int Z = gridDim.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gr = lane >> 2, t = lane & 3;
+    const int kvh = kq * HW + warp % HW, kp = warp / HW;
+    const bool live = kvh < num_kv_heads;  // (the last block's spare warps: no head)
+    const int head0 = kvh * group + g0;
 
     const int* bt = block_tables + (i64)seq * bt_stride;
     const int ctx = context_lens[seq];
@@ -1716,12 +1724,14 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     if (split >= active) {
         pdl_wait();
         if (split == 0 && min_split > 0)
-            decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
+            for (int h = 0; h < HW && kq * HW + h < num_kv_heads; ++h)
+                decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, (kq * HW + h) * group + g0,
+                                         ng, split, 1, tid);
         return;
     }
     const bool direct = active == 1 && min_split > 0;
     const int r0 = start + split * per;
-    const int r1 = min(ctx, r0 + per);
+    const int r1 = live ? min(ctx, r0 + per) : r0;  // a spare warp walks no keys
 
     // a tile's block-table entries: lane i holds the one of the tile's i-th block (32 keys span
     // at most 32 blocks); the first before the wait (the tables come before the step's kernels)
@@ -1731,8 +1741,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
         const int b1 = (min(k0 + DM_KEYS, r1) - 1) >> bs_shift;
         return (b0 + lane <= b1) ? __ldg(bt + b0 + lane) : 0;
     };
-    constexpr int STRIDE = DM_WARPS * DM_KEYS;
-    int k0 = r0 + warp * DM_KEYS;
+    constexpr int STRIDE = KW * DM_KEYS;
+    int k0 = r0 + kp * DM_KEYS;
     int bte = bt_entry(k0);
     pdl_wait();  // the query and this step's K/V row come from the kernels before
 
@@ -1741,7 +1751,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     u32 qa[KS][4];
     {
         float f[KB];
-        if (gr < ng) {
+        if (gr < ng && live) {
             const T* qp = q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB;
 #pragma unroll
             for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
@@ -1873,7 +1883,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int h = 2 * t + e;
-        if (h < ng) {
+        if (h < ng && live) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 s_red[(warp * R + h) * D + gr * MT + mt] = o[mt][e];
@@ -1881,11 +1891,39 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
             }
         }
     }
-    if (t == 0 && gr < ng) {
+    if (t == 0 && gr < ng && live) {
         s_ml[(warp * R + gr) * 2] = mr;
         s_ml[(warp * R + gr) * 2 + 1] = lr;
     }
     __syncthreads();
-    decode_merge_warps<T, D, DM_WARPS, R, true>(s_red, s_ml, ng, tid, v_scale, direct, out, part_out, part_m, part_l,
-                                                (i64)seq * num_heads + head0, Z, split);
+    // the KW warps of each kv head: warps h, h + HW, ...
+    for (int idx = tid; idx < HW * ng * D; idx += DEC_THREADS) {
+        const int h = idx / (ng * D);
+        const int g = (idx - h * ng * D) / D;
+        const int d = idx - (h * ng + g) * D;
+        if (kq * HW + h >= num_kv_heads) break;  // (h only grows)
+        float M = neg_inf();
+#pragma unroll
+        for (int k = 0; k < KW; ++k) M = fmaxf(M, s_ml[((h + HW * k) * R + g) * 2]);
+        const float M_use = (M == neg_inf()) ? 0.f : M;
+        float L = 0.f, val = 0.f;
+#pragma unroll
+        for (int k = 0; k < KW; ++k) {
+            const int w = h + HW * k;
+            const float wt = exp2f(s_ml[(w * R + g) * 2] - M_use);
+            L = fmaf(wt, s_ml[(w * R + g) * 2 + 1], L);
+            val = fmaf(wt, s_red[(w * R + g) * D + d], val);
+        }
+        val *= v_scale;
+        const i64 hrow = (i64)seq * num_heads + (kq * HW + h) * group + g0 + g;
+        if (direct) {
+            out[hrow * D + d] = Cvt<T>::from(val / L);
+        } else {
+            part_out[(hrow * Z + split) * D + d] = val;
+            if (d == 0) {
+                part_m[hrow * Z + split] = M;
+                part_l[hrow * Z + split] = L;
+            }
+        }
+    }
 }

@@ -54,6 +54,18 @@ FP8_DECODE_KERNELS = ("v2", "v4", "v5")
 # groups take several blocks) and resident blocks a SM (its __launch_bounds__ minimum).
 DECODE_V5_HEADS = 8
 DECODE_V5_BLOCKS_PER_SM = 3
+# paged_decode_v5's kv heads a block (HW: 1, 2 or 4; its 4 warps split the keys of each):
+# with 4, a block's loads are the 4 heads' rows of the same tokens, 512 contiguous bytes of
+# each token's row. INFLIGHTLLM_DECODE_V5_KV_HEADS overrides it (benchmarks).
+DECODE_V5_KV_HEADS = 4
+DECODE_V5_KV_HEAD_CHOICES = (1, 2, 4)
+
+
+def v5_kv_heads(num_kv_heads: int, wanted: int = DECODE_V5_KV_HEADS) -> int:
+    """paged_decode_v5's kv heads a block for a model of `num_kv_heads`: `wanted`, or the
+    largest choice that is not more than the model has (3 kv heads: blocks of 2, the last
+    with 2 spare warps)."""
+    return max(h for h in DECODE_V5_KV_HEAD_CHOICES if h <= max(1, min(wanted, num_kv_heads)))
 _FP8_RESHAPE_N = (8, 1)
 
 
@@ -67,16 +79,19 @@ def decode_stages() -> int:
     return int(text)
 
 
-def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache_ctype: str | None = None) -> str:
+def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache_ctype: str | None = None,
+                       kv_heads: int = 1) -> str:
     """The kernel's name expression; `cache_ctype` (FP8_CTYPE) for one that reads an FP8
-    cache (its last template argument, which defaults to `ctype`)."""
+    cache (its last template argument, which defaults to `ctype`); `kv_heads`: v5's a block."""
     cache = f",{cache_ctype}" if cache_ctype and cache_ctype != ctype else ""
     if cache and variant not in FP8_DECODE_KERNELS:
         raise ValueError(f"decode kernel {variant!r} does not read an FP8 cache (those that do: {FP8_DECODE_KERNELS})")
     if variant == "v5":
         if not cache or ctype == "float":
             raise ValueError("decode kernel 'v5' reads only an FP8 cache, with fp16 / bf16 queries")
-        return f"paged_decode_v5<{ctype},{head_dim}{cache}>"  # DECODE_V5_HEADS a block, whatever maxg
+        if kv_heads not in DECODE_V5_KV_HEAD_CHOICES:
+            raise ValueError(f"decode kernel 'v5': {kv_heads} kv heads a block (allowed: {DECODE_V5_KV_HEAD_CHOICES})")
+        return f"paged_decode_v5<{ctype},{head_dim},{kv_heads}{cache}>"  # DECODE_V5_HEADS a warp, whatever maxg
     if variant == "v4":
         return f"paged_decode_v4<{ctype},{head_dim},{maxg},{decode_stages()}{cache}>"
     return f"{DECODE_KERNELS[variant]}<{ctype},{head_dim},{maxg}{cache}>"
@@ -185,7 +200,7 @@ def fp8_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions
         decode_kernel_name(variant, t, head_dim, g, FP8_CTYPE) for variant in ("v2", "v4") for g in DECODE_MAXG
     ]
     if dtype != torch.float32:
-        names.append(decode_kernel_name("v5", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE))
+        names += [decode_kernel_name("v5", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE, hw) for hw in DECODE_V5_KV_HEAD_CHOICES]
     names += [f"reshape_and_cache_fp8<{t},{n}>" for n in _FP8_RESHAPE_N]
     names.append(f"gather_kv_fp8<{t}>")
     return _Functions(tuple(names), device)
@@ -340,7 +355,7 @@ def decode_blocks_per_sm(maxg: int, variant: str | None = None) -> int:
     return 3 if maxg >= 8 else 4
 
 
-def _decode_function(query, head_dim, variant, maxg, scale, kv_scales):
+def _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads=1):
     """The flash-decoding kernel of `variant` for `maxg` query heads a block, with its dynamic
     shared memory, the query scale in log2 units and the output's value scale: the kernel
     reading the query's dtype, or, with `kv_scales` (an FP8 cache), the FP8 one, k_scale
@@ -352,7 +367,7 @@ def _decode_function(query, head_dim, variant, maxg, scale, kv_scales):
             decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg), smem)
         return fn, smem, scale_log2, 1.0
     smem = decode_dynamic_smem(variant, maxg, fp8_slice_bytes(query.dtype))
-    name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
+    name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE, kv_heads)
     fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, smem)
     return fn, smem, scale_log2 * kv_scales[0], kv_scales[1]
 
@@ -376,8 +391,10 @@ def paged_decode(
     variant="v2",
     min_split=DECODE_MIN_SPLIT_TOKENS,
     kv_scales=None,
+    kv_heads=1,
 ) -> None:
     """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
+    kv_heads: v5's kv heads a block (v5_kv_heads).
 
     num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With v2 a
     context of n tokens uses only ceil(n / per) of them, per = max(ceil(n / Z) rounded up to
@@ -388,7 +405,7 @@ def paged_decode(
     maxg, per_kv = decode_group_split(group, variant)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
-    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales)
+    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads)
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
@@ -423,7 +440,8 @@ def paged_decode(
     if variant != "v1":
         args += (_i32(min_split), np.float32(v_scale))
     device = query.device.index
-    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
+    blocks_x = -(-num_kv_heads // kv_heads) * per_kv if variant == "v5" else num_kv_heads * per_kv
+    _launch(fn, (blocks_x, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
@@ -486,6 +504,19 @@ def cascade_prefix_mma(packed, key_cache, value_cache, prefix_tables, prefix_len
     threads = cascade_prefix_threads(rows)
     _launch(fn, (-(-rows // (threads // 32 * 16)), kv_heads, groups * splits), threads, args, stream)
     return out, lse
+
+
+def wave_splits(blocks: int, slots: int, most: int, split_cost: float = 0.05) -> int:
+    """Splits (1..most) of each of `blocks` decode blocks on a GPU with `slots` resident
+    blocks: the count whose waves come closest to full, each split costing `split_cost` of a
+    block more (its partials, the reduce). Host ints only (graph-safe). paged_decode_v5 with 4
+    kv heads a block on 132 SMs (396 slots), 8 kv heads: 256 decodes 3 splits (4 waves of 1,536
+    blocks, the last 88 % full, instead of 2 of 512, the last 29 %), 1 decode 64 (capped)."""
+
+    def cost(splits: int) -> float:
+        return math.ceil(blocks * splits / slots) / splits * (1 + split_cost * (splits - 1))
+
+    return min(range(1, max(1, most) + 1), key=cost)
 
 
 def cascade_prefix_splits(blocks: int, num_sms: int, threads: int = 128, most: int = CASCADE_PREFIX_MAX_SPLITS) -> int:
