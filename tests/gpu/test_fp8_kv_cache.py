@@ -230,13 +230,21 @@ def test_mixed_batch_other_dtypes(dtype):
 
 
 def test_many_decodes_unsplit():
-    """Enough decodes that contexts are not split: "auto" takes v5 (direct writes, no reduce);
-    v4 has v2's bits."""
+    """300 decodes: "auto" takes v5 with the splits ops.wave_splits gives; then the contexts
+    unsplit (the kernels' direct writes, no reduce), for v5 with 1, 2 and 4 kv heads a block (the
+    model has 2: spare warps), v4 and v2; v4 has v2's bits."""
     gen = torch.Generator().manual_seed(9)
     specs = [(1, int(c)) for c in torch.randint(1, 1500, (300,), generator=gen)]
     case = Fp8Case(specs, 8, 2, 64, 16, torch.bfloat16, (0.5, 0.5), seed=9)
+    impl, splits = case.backend.decode_kernel(300)
+    assert impl == "v5" and splits >= 1
+    case.check(case.run(decode="auto"), f"fp8 300 decodes, decode auto (v5, {splits} splits)")
+    case.backend.decode_splits = lambda *args, **kwargs: 1  # unsplit from here on
     assert case.backend.decode_kernel(300) == ("v5", 1)
-    case.check(case.run(decode="auto"), "fp8 300 decodes unsplit, decode auto (v5)")
+    for kv_heads in (1, 2, 4):
+        case.backend.v5_kv_heads = kv_heads
+        case.check(case.run(decode="v5"), f"fp8 300 decodes unsplit, decode v5, {kv_heads} kv heads a block")
+    case.backend.v5_kv_heads = None
     case.check(v4 := case.run(decode="v4"), "fp8 300 decodes unsplit, decode v4")
     v2 = case.run(decode="v2")
     case.check(v2, "fp8 300 decodes unsplit, decode v2")
