@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=128, help="tokens of the decode's KV cache")
+    parser.add_argument("--max-model-len", type=int, default=8192,
+                        help="the attention's longest context: its decode splits (as the runner's graphs)")
     parser.add_argument("--warps", type=int, default=None, help="warps a block (1..8; default ops._WARPS_PER_BLOCK)")
     parser.add_argument("--label", default="", help="a name for this variant in the output")
     parser.add_argument("--out", type=Path, default=None)
@@ -118,7 +120,7 @@ def main() -> None:
     delta = torch.empty(1, hidden, device="cuda", dtype=dtype)
     act = torch.empty(1, inter, device="cuda", dtype=dtype)
     positions = torch.full((1,), args.context - 1, device="cuda", dtype=torch.int64)
-    max_len = max(8192, args.context)
+    max_len = max(args.max_model_len, args.context)
     cos_sin = torch.randn(max_len, head_dim, device="cuda", dtype=dtype)
     eps = 1e-5
 
