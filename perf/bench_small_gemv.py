@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
 def graph_us(body, replays: int = 20) -> float:
     """Median µs of one replay of a CUDA graph of `body` (captured as the engine does)."""
     from inflightllm.gpu import ops
+    from perf.bench_overlap import replay_ms
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -50,19 +50,9 @@ def graph_us(body, replays: int = 20) -> float:
     with torch.cuda.graph(graph, stream=stream):
         with ops.torch_stream():
             body()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+    us = replay_ms(graph, replays) * 1e3
     del graph
-    return statistics.median(samples)
+    return us
 
 
 def weights(rows: int, cols: int, fp8: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
