@@ -525,12 +525,7 @@ def cascade_prefix_splits(blocks: int, num_sms: int, threads: int = 128, most: i
     (CASCADE_PREFIX_BLOCKS_PER_SM a SM at 128 threads, twice that at 64) come closest to
     full, each split costing a little (its partials, merged after). Host ints only
     (graph-safe). 512 blocks of 128 threads on 132 SMs: 3 splits, 3.9 waves instead of 1.3."""
-    slots = CASCADE_PREFIX_BLOCKS_PER_SM * (128 // threads) * num_sms
-
-    def cost(splits: int) -> float:
-        return math.ceil(blocks * splits / slots) / splits * (1 + 0.05 * (splits - 1))
-
-    return min(range(1, most + 1), key=cost)
+    return wave_splits(blocks, CASCADE_PREFIX_BLOCKS_PER_SM * (128 // threads) * num_sms, most)
 
 
 def cascade_merge(prefix, prefix_layout, prefix_slot, none_slot, width, group, num_kv_heads, suffix, out, stream):
