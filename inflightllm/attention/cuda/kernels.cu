@@ -780,27 +780,33 @@ __device__ constexpr int decode_u(int maxg) { return maxg >= 8 ? 2 : 4; }
 // The last step of a decode block: its warps' (max, sum, unnormalised output) of `ng` query heads,
 // s_ml [(warp * ROWS + g) * 2 + {0, 1}] and s_red [(warp * ROWS + g) * D + d], merged; times
 // v_scale when SCALE (an FP8 cache); the normalised output when `direct` (the only split), else
-// the split's partials. hrow0: the first head's row (seq * num_heads + its head).
-template <typename T, int D, int WARPS, int ROWS, bool SCALE>
+// the split's partials. hrow0: the first head's row (seq * num_heads + its head). With HW kv heads
+// a block (paged_decode_v5), head h (< heads, the block's live ones) merges warps h, h + HW, ...
+// (WARPS of them) into rows hrow0 + h * head_stride + g.
+template <typename T, int D, int WARPS, int ROWS, bool SCALE, int HW = 1>
 __device__ __forceinline__ void decode_merge_warps(const float* s_red, const float* s_ml, int ng, int tid,
                                                    float v_scale, bool direct, T* out, float* part_out,
-                                                   float* part_m, float* part_l, i64 hrow0, int Z, int split) {
-    for (int idx = tid; idx < ng * D; idx += DEC_THREADS) {
-        const int g = idx / D;
-        const int d = idx - g * D;
+                                                   float* part_m, float* part_l, i64 hrow0, int Z, int split,
+                                                   int heads = 1, int head_stride = 0) {
+    for (int idx = tid; idx < HW * ng * D; idx += DEC_THREADS) {
+        const int h = HW == 1 ? 0 : idx / (ng * D);
+        const int g = (idx - h * ng * D) / D;
+        const int d = idx - (h * ng + g) * D;
+        if (HW > 1 && h >= heads) break;  // (h only grows)
         float M = neg_inf();
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, s_ml[(w * ROWS + g) * 2]);
+        for (int k = 0; k < WARPS; ++k) M = fmaxf(M, s_ml[((h + HW * k) * ROWS + g) * 2]);
         const float M_use = (M == neg_inf()) ? 0.f : M;
         float L = 0.f, v = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
+        for (int k = 0; k < WARPS; ++k) {
+            const int w = h + HW * k;
             const float wt = exp2f(s_ml[(w * ROWS + g) * 2] - M_use);
             L = fmaf(wt, s_ml[(w * ROWS + g) * 2 + 1], L);
             v = fmaf(wt, s_red[(w * ROWS + g) * D + d], v);
         }
         if constexpr (SCALE) v *= v_scale;
-        const i64 hrow = hrow0 + g;
+        const i64 hrow = hrow0 + (i64)h * head_stride + g;
         if (direct) {
             out[hrow * D + d] = Cvt<T>::from(v / L);
         } else {
@@ -1897,33 +1903,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     }
     __syncthreads();
     // the KW warps of each kv head: warps h, h + HW, ...
-    for (int idx = tid; idx < HW * ng * D; idx += DEC_THREADS) {
-        const int h = idx / (ng * D);
-        const int g = (idx - h * ng * D) / D;
-        const int d = idx - (h * ng + g) * D;
-        if (kq * HW + h >= num_kv_heads) break;  // (h only grows)
-        float M = neg_inf();
-#pragma unroll
-        for (int k = 0; k < KW; ++k) M = fmaxf(M, s_ml[((h + HW * k) * R + g) * 2]);
-        const float M_use = (M == neg_inf()) ? 0.f : M;
-        float L = 0.f, val = 0.f;
-#pragma unroll
-        for (int k = 0; k < KW; ++k) {
-            const int w = h + HW * k;
-            const float wt = exp2f(s_ml[(w * R + g) * 2] - M_use);
-            L = fmaf(wt, s_ml[(w * R + g) * 2 + 1], L);
-            val = fmaf(wt, s_red[(w * R + g) * D + d], val);
-        }
-        val *= v_scale;
-        const i64 hrow = (i64)seq * num_heads + (kq * HW + h) * group + g0 + g;
-        if (direct) {
-            out[hrow * D + d] = Cvt<T>::from(val / L);
-        } else {
-            part_out[(hrow * Z + split) * D + d] = val;
-            if (d == 0) {
-                part_m[hrow * Z + split] = M;
-                part_l[hrow * Z + split] = L;
-            }
-        }
-    }
+    decode_merge_warps<T, D, KW, R, true, HW>(s_red, s_ml, ng, tid, v_scale, direct, out, part_out, part_m, part_l,
+                                              (i64)seq * num_heads + kq * HW * group + g0, Z, split,
+                                              num_kv_heads - kq * HW, group);
 }
