@@ -605,10 +605,10 @@ class CudaPagedAttention(AttentionBackend):
         maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads, variant)
         slots = ops.decode_blocks_per_sm(maxg, variant) * self._num_sms
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
+        kv_heads = self.v5_blocking(num_decodes) if variant == "v5" else 1
+        base = ops.decode_grid_x(self.num_kv_heads, per_kv, kv_heads) * max(1, num_decodes)
         if variant == "v5":
-            base = -(-self.num_kv_heads // self.v5_blocking(num_decodes)) * per_kv * max(1, num_decodes)
             return ops.wave_splits(base, slots, cap)
-        base = self.num_kv_heads * per_kv * max(1, num_decodes)
         return max(1, min(slots // base, cap))
 
     def v5_blocking(self, num_decodes: int) -> int:
@@ -619,7 +619,7 @@ class CudaPagedAttention(AttentionBackend):
         if self.v5_kv_heads is not None:
             return ops.v5_kv_heads(self.num_kv_heads, self.v5_kv_heads)
         _, per_kv = ops.decode_group_split(self.num_heads // self.num_kv_heads, "v5")
-        if self.num_kv_heads * per_kv * max(1, num_decodes) < ops.DECODE_V5_BLOCKS_PER_SM * self._num_sms:
+        if ops.decode_grid_x(self.num_kv_heads, per_kv) * max(1, num_decodes) < ops.DECODE_V5_BLOCKS_PER_SM * self._num_sms:
             return 1
         return ops.v5_kv_heads(self.num_kv_heads)
 

@@ -348,6 +348,12 @@ def reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_sc
     _launch(fn, (num_tokens,), 128, args, stream)
 
 
+def decode_grid_x(num_kv_heads: int, per_kv: int, kv_heads: int = 1) -> int:
+    """The decode kernels' blocks a sequence and split (grid x): `per_kv` blocks for each group
+    of `kv_heads` kv heads (paged_decode_v5's kv heads a block; 1 for every other kernel)."""
+    return -(-num_kv_heads // kv_heads) * per_kv
+
+
 def decode_blocks_per_sm(maxg: int, variant: str | None = None) -> int:
     """Resident decode blocks per SM (the kernels' __launch_bounds__ minimum)."""
     if variant == "v5":
@@ -440,7 +446,7 @@ def paged_decode(
     if variant != "v1":
         args += (_i32(min_split), np.float32(v_scale))
     device = query.device.index
-    blocks_x = -(-num_kv_heads // kv_heads) * per_kv if variant == "v5" else num_kv_heads * per_kv
+    blocks_x = decode_grid_x(num_kv_heads, per_kv, kv_heads if variant == "v5" else 1)
     _launch(fn, (blocks_x, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
@@ -475,7 +481,8 @@ def paged_decode_partials(query, key_cache, value_cache, block_tables, context_l
         _i32(num_heads), _i32(num_kv_heads), _i32(group), _i32(per_kv), _i32(bs_shift), _i32(0),
         np.float32(scale_log2), _i32(-int(min_split)), np.float32(v_scale),
     )
-    _launch(fn, (num_kv_heads * per_kv, num_decodes, num_splits), DECODE_THREADS, args, stream, device.index, smem)
+    _launch(fn, (decode_grid_x(num_kv_heads, per_kv), num_decodes, num_splits), DECODE_THREADS, args, stream,
+            device.index, smem)
     return part_out, part_m, part_l
 
 
