@@ -207,6 +207,7 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("attention prefill", ("prefill_mma", "prefill_fma", "flash", "fmha", "gather_kv")),
     ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitK", "small_gemv", "gate_up_norm", "qkv_norm")),
     ("KV cache write", ("reshape_and_cache",)),
+    ("FP8 activation quantization", ("quant_rows_fp8", "rms_norm_fp8", "silu_and_mul_fp8")),
     ("norm", ("rms_norm",)),
     ("RoPE", ("rotary",)),
     ("SiLU", ("silu",)),
@@ -231,7 +232,13 @@ def profile_run(generate, label: str) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate()
         sync()
-    wall = time.perf_counter() - start
+    return kernel_report(prof, time.perf_counter() - start, label)
+
+
+def kernel_report(prof, wall: float, label: str, steps: int = 0) -> dict:
+    """A finished torch profile's GPU time by kind of kernel (KERNEL_KINDS), the top kernels and
+    the GPU's busy time (the union of the kernels' intervals) against `wall`, printed; with
+    `steps`, also per step."""
     spans = []
     kinds: dict[str, float] = {}
     names: dict[str, list] = {}
@@ -256,10 +263,14 @@ def profile_run(generate, label: str) -> dict:
               "kinds_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
               "top_kernels": [{"kernel": k, "s": round(v[0], 4), "calls": v[1]}
                               for k, v in sorted(names.items(), key=lambda kv: -kv[1][0])[:20]]}
-    print(f"profile of {label}: wall {wall:.2f} s (profiler on), GPU busy {busy:.2f} s", flush=True)
+    per_step = f", {1e3 * wall / steps:.2f} ms a step, GPU busy {1e3 * busy / steps:.2f}" if steps else ""
+    if steps:
+        report["steps"] = steps
+    print(f"profile of {label}: wall {wall:.2f} s (profiler on), GPU busy {busy:.2f} s{per_step}", flush=True)
     for kind, seconds in report["kinds_s"].items():
-        print(f"  {seconds:8.3f} s  {seconds / max(busy, 1e-9):6.1%}  {kind}", flush=True)
-    for row in report["top_kernels"]:
+        each = f"  {1e3 * seconds / steps:8.3f} ms a step" if steps else ""
+        print(f"  {seconds:8.3f} s  {seconds / max(busy, 1e-9):6.1%}{each}  {kind}", flush=True)
+    for row in report["top_kernels"][: 12 if steps else 20]:
         print(f"  {row['s']:8.3f} s  x{row['calls']:6d}  {row['kernel']}", flush=True)
     return report
 

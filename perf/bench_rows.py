@@ -20,7 +20,9 @@ KV pressure (docs/KV-PRESSURE.md): `--capacity-policy`, `--preemption-mode` and
 `--kv-watermark` take comma lists; every combination runs on the same loaded engine
 (`Engine.reconfigure`: a fresh block manager and scheduler, an empty prefix cache), so
 guaranteed_no_evict and max_utilization, or recompute, swap and auto, compare in one run.
-`--sampling greedy,sampled,sampled-penalty` runs each row with each sampling (sampled:
+`--profile-steps N` runs each greedy row a second time with the torch profiler on for N steps from
+its start and N from its middle: where the time goes (GPU time by kind of kernel, GPU busy
+against wall time, host time by phase). `--sampling greedy,sampled,sampled-penalty` runs each row with each sampling (sampled:
 temperature 0.8, top_p 0.95, top_k 50; sampled-penalty: the same + repetition_penalty 1.1
 and 5 top log probs), on prompts of their own (no prefix-cache hit across them), and
 prints the throughput ratio to greedy.
@@ -52,7 +54,7 @@ from inflightllm.engine import Engine
 from inflightllm.llm import LLM
 from inflightllm.profile import load_profile
 from inflightllm.sampling_params import SamplingParams
-from perf.bench_gpu import prompts_of, sync
+from perf.bench_gpu import kernel_report, prompts_of, sync
 
 ROWS = "128/128x1024,2048/128x512,128/2048x512,2048/2048x256"
 # TensorRT-LLM's published H200 figures (FP8, its performance overview), output tok/s.
@@ -138,6 +140,49 @@ def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int, sampling: 
     return row
 
 
+def profile_row(engine: Engine, isl: int, osl: int, count: int, window: int, total_steps: int) -> dict:
+    """The row again (prompts of its own), stepped here, with the torch profiler on for two
+    windows of `window` steps: from the first step (prefill and its first decodes) and from
+    the middle of the `total_steps` the timed run took. Per window: wall and GPU-busy time a
+    step, GPU time by kind of kernel (bench_gpu.kernel_report), the engine's host time a
+    step by phase (schedule, launch, wait for the GPU, emit) and the tokens computed a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = prompts_of(count, isl, engine.vocab_size, seed=isl * 7 + osl + 500)
+    params = SamplingParams(max_tokens=osl, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{isl}-{osl}-{i}", prompt, params)
+    middle = max(window, total_steps // 2)
+    starts = {0: "first steps", middle: "middle steps"}
+    reports, step, active = {}, 0, None
+    while engine.has_unfinished():
+        if step in starts and active is None:
+            sync()
+            prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
+            prof.__enter__()
+            host = dict(engine.host_seconds)
+            active = {"label": starts[step], "start": time.perf_counter(), "first": step, "tokens": 0}
+        engine.step()
+        step += 1
+        if active is not None:
+            active["tokens"] += engine.stats().num_tokens_last_step
+            if step - active["first"] == window or not engine.has_unfinished():
+                sync()
+                wall = time.perf_counter() - active["start"]
+                prof.__exit__(None, None, None)
+                steps = step - active["first"]
+                label = f"{isl}/{osl} x{count}, {active['label']} ({active['first']}..{step - 1})"
+                entry = kernel_report(prof, wall, label, steps)
+                entry["tokens_per_step"] = round(active["tokens"] / steps, 1)
+                entry["host_ms_per_step"] = {k: round(1e3 * (engine.host_seconds[k] - host.get(k, 0.0)) / steps, 3)
+                                             for k in engine.host_seconds if k != "steps"}
+                print(f"  tokens a step {entry['tokens_per_step']}, host ms a step {entry['host_ms_per_step']}",
+                      flush=True)
+                reports[active["label"]] = entry
+                active = None
+    return reports
+
+
 def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, rows, samplings, start_s, longest):
     config = engine.config
     stats = engine.stats()
@@ -157,6 +202,8 @@ def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, r
                 greedy = row["output_tok_s"]
             elif greedy:
                 row["ratio_to_greedy"] = round(row["output_tok_s"] / greedy, 3)
+            if args.profile_steps and sampling == "greedy":
+                row["profile"] = profile_row(engine, isl, osl, count, args.profile_steps, row["steps"])
             entry["rows"].append(row)
             print(f"{name:12s} {isl:5d}/{osl:<5d} x{count:5d} {sampling:15s}: {row['output_tok_s']:10.1f} output tok/s "
                   f"({row['seconds']:.1f} s, {row['preemptions']} preemptions ({row['swap_preemptions']} swapped), "
@@ -189,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated fractions of the KV blocks kept free at admission (default: the profile's)")
     parser.add_argument("--sampling", default="greedy",
                         help="comma-separated of " + ", ".join(SAMPLINGS) + " (each row runs each; default greedy)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after each greedy row, run it again under the torch profiler for two windows of this "
+                             "many steps (its start and its middle): GPU time by kind, host time by phase")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
