@@ -456,6 +456,158 @@ __global__ void silu_and_mul_fp8_vec(unsigned char* __restrict__ q, float* __res
     quantize_held<T>(q + row * width, scale + row, v, chunks);
 }
 
+// Version 2 of the three (the `_v2` kernels, ops.FP8_QUANT_V2): the same values, with every
+// 16-byte load of the thread's chunks issued before any is used (predicated, not a loop that
+// breaks, so that ptxas can hoist them: the version above waits for each chunk in turn), the
+// finished values held packed in T (they are rounded to T already), and NPT, the chunks a thread
+// holds at most, a template argument (4 where the launch allows) for fewer registers: at most 64
+// (__launch_bounds__(1024)), two blocks of 448 threads a SM (a row of 14,336).
+template <typename T> union Pack8 {
+    uint4 u;
+    T t[8];
+};
+template <typename T> __device__ __forceinline__ uint4 pack8_t(const float* v) {
+    Pack8<T> p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p.t[i] = from_f<T>(v[i]);
+    return p.u;
+}
+template <typename T> __device__ __forceinline__ void unpack8_t(const uint4& u, float* v) {
+    Pack8<T> p;
+    p.u = u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f<T>(p.t[i]);
+}
+
+// pv[j]: this thread's chunks (T-exact values), amax their largest magnitude -> q's row, scale
+template <typename T, int NPT>
+__device__ __forceinline__ void quantize_packed(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                                const uint4 (&pv)[NPT], float amax, int chunks) {
+    const float s = fmaxf(__fdiv_rn(block_max(amax), FP8_MAX), FP8_MIN_SCALE);
+    if (threadIdx.x == 0) *scale = s;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < chunks) {
+            float v[8];
+            unpack8_t<T>(pv[j], v);
+            store_e4m3x8<T>(q, c, v, s);
+        }
+    }
+}
+
+template <typename T, int NPT>
+__global__ void __launch_bounds__(1024) quant_rows_fp8_v2(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                  const T* __restrict__ x, int width) {
+    const long row = blockIdx.x;
+    const int chunks = width / 8;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * width);
+    uint4 pv[NPT];
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        pv[j] = c < chunks ? xr[c] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        float v[8];
+        unpack8_t<T>(pv[j], v);  // (zeros past the row)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    quantize_packed<T, NPT>(q + row * width, scale + row, pv, amax, chunks);
+}
+
+template <typename T, int NPT>
+__global__ void __launch_bounds__(1024) add_rms_norm_fp8_v2(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                    const T* __restrict__ delta, T* __restrict__ residual_io,
+                                    const T* __restrict__ weight, float eps, int hidden) {
+    const long row = blockIdx.x;
+    const int chunks = hidden / 8;
+    uint4* r = reinterpret_cast<uint4*>(residual_io + row * hidden);
+    const uint4* d = delta != nullptr ? reinterpret_cast<const uint4*>(delta + row * hidden) : nullptr;
+    const uint4* w = reinterpret_cast<const uint4*>(weight);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 rv[NPT], dv[NPT];
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        rv[j] = c < chunks ? r[c] : zero;
+        dv[j] = c < chunks && d != nullptr ? d[c] : zero;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        float v[8];
+        unpack8_t<T>(rv[j], v);
+        if (d != nullptr) {
+            float dd[8];
+            unpack8_t<T>(dv[j], dd);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = round_t<T>(__fadd_rn(v[i], dd[i]));
+            rv[j] = pack8_t<T>(v);
+            if (c < chunks) r[c] = rv[j];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += v[i] * v[i];
+    }
+    uint4 wv[NPT];  // the norm weight (the same for every row: from L2) after the sum
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        wv[j] = c < chunks ? w[c] : zero;
+    }
+    const float inv = rsqrtf(block_sum(sum) / hidden + eps);
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        float v[8], wf[8];
+        unpack8_t<T>(rv[j], v);
+        unpack8_t<T>(wv[j], wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            v[i] = round_t<T>(__fmul_rn(wf[i], round_t<T>(__fmul_rn(v[i], inv))));
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        rv[j] = pack8_t<T>(v);
+    }
+    quantize_packed<T, NPT>(q + row * hidden, scale + row, rv, amax, chunks);
+}
+
+template <typename T, int NPT>
+__global__ void __launch_bounds__(1024) silu_and_mul_fp8_v2(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                    const T* __restrict__ gate_up, int width) {
+    const long row = blockIdx.x;
+    const int chunks = width / 8;
+    const uint4* g = reinterpret_cast<const uint4*>(gate_up + row * 2 * (long)width);
+    const uint4* u = g + chunks;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 gv[NPT], uv[NPT];
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        gv[j] = c < chunks ? g[c] : zero;
+        uv[j] = c < chunks ? u[c] : zero;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+        float gf[8], uf[8], v[8];
+        unpack8_t<T>(gv[j], gf);
+        unpack8_t<T>(uv[j], uf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float act = round_t<T>(gf[i] / (1.0f + expf(-gf[i])));
+            v[i] = round_t<T>(__fmul_rn(act, uf[i]));
+            amax = fmaxf(amax, fabsf(v[i]));  // (zeros past the row: silu(0) * 0)
+        }
+        gv[j] = pack8_t<T>(v);
+    }
+    quantize_packed<T, NPT>(q + row * width, scale + row, gv, amax, chunks);
+}
+
 // ---- Small-batch decode kernels (M <= 8 tokens) ---------------------------------------------
 // At batch 1-8 a decode step is a chain of weight GEMVs with small kernels between them, and
 // inside a CUDA graph each small kernel costs a few microseconds of launch latency. These fold

@@ -23,6 +23,10 @@ KERNELS = (
 )
 # 16-byte variants of the FP8 quantizing kernels: 2-byte types only (8 values a chunk).
 FP8_VEC_KERNELS = ("quant_rows_fp8_vec", "add_rms_norm_fp8_vec", "silu_and_mul_fp8_vec")
+# Version 2 of the FP8 quantizing kernels (layers.cu: every load issued before any is used),
+# for rows of at most FP8_V2_NPT chunks a thread; INFLIGHTLLM_FP8_QUANT_V2=0 keeps the _vec ones.
+FP8_V2_KERNELS = ("quant_rows_fp8_v2", "add_rms_norm_fp8_v2", "silu_and_mul_fp8_v2")
+FP8_V2_NPT = 4
 _FP8_NPT = 8  # FP8_NPT in layers.cu: 16-byte chunks a thread holds
 _ADD_NORM_NPT = 4  # ADD_NORM_NPT in layers.cu: 16-byte chunks a thread of add_rms_norm_vec holds
 
@@ -53,6 +57,7 @@ def _module(device: int):
 
     names = [f"{kernel}<{ctype}>" for kernel in KERNELS for ctype in CUDA_TYPES.values()]
     names += [f"{kernel}<{ctype}>" for kernel in FP8_VEC_KERNELS for ctype in ("__half", "__nv_bfloat16")]
+    names += [f"{kernel}<{ctype},{FP8_V2_NPT}>" for kernel in FP8_V2_KERNELS for ctype in ("__half", "__nv_bfloat16")]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -65,6 +70,12 @@ def _kernel(name: str, dtype: torch.dtype, device: int | None = None):
         device = torch.cuda.current_device()
     with _cupy_device(device):
         return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]}>")
+
+
+@functools.cache
+def _kernel_v2(name: str, dtype: torch.dtype, device: int):
+    with _cupy_device(device):
+        return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]},{FP8_V2_NPT}>")
 
 
 def _cupy_device(device: int):
@@ -226,12 +237,26 @@ def _fp8_vec_threads(width: int, dtype: torch.dtype, vector: bool | None, *tenso
     return threads if threads * _FP8_NPT >= chunks else 0
 
 
+@functools.cache
+def fp8_quant_v2() -> bool:
+    """Whether the FP8 quantizing kernels' version 2 runs where it can (INFLIGHTLLM_FP8_QUANT_V2, default 1)."""
+    text = os.environ.get("INFLIGHTLLM_FP8_QUANT_V2", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"INFLIGHTLLM_FP8_QUANT_V2={text!r}: 0 or 1")
+    return text != "0"
+
+
 def _launch_fp8(name: str, rows: torch.Tensor, tokens: int, width: int, vec_threads: int, args: tuple) -> None:
-    """One row a block: `name`_vec with `vec_threads` (not 0), else the scalar `name`."""
+    """One row a block: `name`_v2 with `vec_threads` (not 0) where they hold the row in
+    FP8_V2_NPT chunks each, else `name`_vec with them, else the scalar `name`."""
     if not tokens:
         return
+    device = rows.device.index
+    if vec_threads and vec_threads * FP8_V2_NPT >= width // 8 and fp8_quant_v2():
+        _kernel_v2(name + "_v2", rows.dtype, device)((tokens,), (vec_threads,), args)
+        return
     kernel, threads = (name + "_vec", vec_threads) if vec_threads else (name, _threads(min(width // 2, 1024)))
-    _kernel(kernel, rows.dtype, rows.device.index)((tokens,), (threads,), args)
+    _kernel(kernel, rows.dtype, device)((tokens,), (threads,), args)
 
 
 def quant_rows_fp8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, vector: bool | None = None) -> None:
