@@ -36,6 +36,47 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_blocks: int, max_ctx: int,
+                    repeats: int, dev: str = "cuda") -> list[float]:
+    """µs of each of `repeats` replays of one decode forward (cache write + decode + reduce) of
+    `batch` sequences of `ctx` tokens, their blocks a random permutation of the cache's (seeded
+    by the batch), captured in a CUDA graph; random bf16 queries and new K/V rows. Raises if
+    the output is not finite."""
+    d, h, kvh, bs = backend.head_dim, backend.num_heads, backend.num_kv_heads, backend.block_size
+    gen = torch.Generator().manual_seed(batch)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    n = math.ceil(ctx / bs)
+    seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
+    md = backend.build_metadata(seqs, dev)
+    md.max_context_len = max_ctx
+    q = torch.randn(batch, h, d, device=dev).to(torch.bfloat16)
+    k = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
+    v = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
+    out = torch.empty(batch, h, d, dtype=torch.bfloat16, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(0, q, k, v, md, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(0, q, k, v, md, out=out)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"{batch}x{ctx}: the output has non-finite values")
+    return samples
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="256x2048,32x2048,1x8192")
@@ -68,44 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         backend.kv_cache.normal_()
     element = 1 if args.cache == "fp8" else 2
     for batch, ctx in cases:
-        gen = torch.Generator().manual_seed(batch)
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        n = math.ceil(ctx / bs)
-        seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
-        md = backend.build_metadata(seqs, dev)
-        md.max_context_len = max_ctx
-        q = torch.randn(batch, h, d, device=dev).to(torch.bfloat16)
-        k = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
-        v = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
-        out = torch.empty(batch, h, d, dtype=torch.bfloat16, device=dev)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            backend.forward(0, q, k, v, md, out=out)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            backend.forward(0, q, k, v, md, out=out)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        if not torch.isfinite(out).all():
-            raise RuntimeError(f"{batch}x{ctx}: the output has non-finite values")
+        samples = decode_layer_us(backend, batch, ctx, num_blocks, max_ctx, args.repeats, dev)
         us = statistics.median(samples)
         kv_bytes = 2 * batch * ctx * kvh * d * element
         impl, splits = backend.decode_kernel(batch)
         print(json.dumps({"variant": args.label, "cache": args.cache, "batch": batch, "context": ctx,
                           "kernel": impl, "splits": splits, "median_us": round(us, 1),
                           "min_us": round(min(samples), 1), "kv_gb_s": round(kv_bytes / us / 1e3, 1)}), flush=True)
-        del graph
     return 0
 
 

@@ -663,6 +663,8 @@ def test_fp8_decode_timings():
     import os
     import statistics
 
+    from perf.bench_decode_attention import decode_layer_us
+
     h, kvh, d, bs = 32, 8, 128, 16
     max_model_len = 8192
     num_blocks = 256 * 2048 // bs + 64
@@ -678,39 +680,9 @@ def test_fp8_decode_timings():
         else:
             backend.kv_cache.normal_()
         for batch, ctx in ((1, 8192), (32, 2048), (256, 2048)):
-            gen = torch.Generator().manual_seed(batch)
-            perm = torch.randperm(num_blocks, generator=gen).tolist()
-            n = math.ceil(ctx / bs)
-            seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
-            md = backend.build_metadata(seqs, DEV)
-            md.max_context_len = max_model_len
             if decode == "cuda-cores":
                 backend.decode_impl = "v4" if backend.decode_splits(batch) == 1 else "v2"
-            q = torch.randn(batch, h, d, device=DEV).to(torch.bfloat16)
-            k = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
-            v = torch.randn(batch, kvh, d, device=DEV).to(torch.bfloat16)
-            out = torch.empty(batch, h, d, dtype=torch.bfloat16, device=DEV)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                backend.forward(0, q, k, v, md, out=out)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                backend.forward(0, q, k, v, md, out=out)
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(30):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            us = statistics.median(samples)
-            assert torch.isfinite(out).all()
+            us = statistics.median(decode_layer_us(backend, batch, ctx, num_blocks, max_model_len, 30, DEV))
             impl, splits = backend.decode_kernel(batch)
             times[(kind, decode, batch)] = us
             rows.append(f"| {kind} | {batch} x {ctx} | {impl}, {splits} splits ({decode}) | {us:.1f} |")
