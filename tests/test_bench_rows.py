@@ -95,3 +95,24 @@ def test_bad_kv_pressure_options_are_named():
         bench_rows.parse_list("greedy,beam", "--sampling", tuple(bench_rows.SAMPLINGS))
     with pytest.raises(SystemExit, match="--kv-watermark: 'lots' is not allowed; allowed: numbers"):
         bench_rows.parse_list("0.01,lots", "--kv-watermark", kind=float)
+
+
+def test_profile_steps_windows(tmp_path, capsys):
+    """--profile-steps: each greedy row again (its own prompts), with a profiled window of N
+    steps at its start and one from the middle of the steps the timed run took; on CPU the
+    profile has no GPU kernels, but the windows, their steps and tokens a step are real."""
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    out = tmp_path / "profiled.json"
+    assert bench_rows.main(["--profile", str(profile), "--rows", "16/12x4", "--max-batch-size", "4",
+                            "--max-num-tokens", "256", "--profile-steps", "3", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["variants"]["profile"]["rows"]
+    assert row["steps"] >= 12
+    windows = row["profile"]
+    assert set(windows) == {"first steps", "middle steps"}
+    first, middle = windows["first steps"], windows["middle steps"]
+    assert first["steps"] == middle["steps"] == 3
+    assert first["tokens_per_step"] > middle["tokens_per_step"] == 4.0  # prefill first; 4 decodes a step later
+    assert first["wall_s"] > 0 and first["gpu_busy_s"] == 0.0 and first["kinds_s"] == {}
+    assert set(first["host_ms_per_step"]) >= {"schedule", "launch", "wait", "emit"}
+    assert "middle steps (6..8)" in capsys.readouterr().out
