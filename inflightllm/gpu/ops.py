@@ -65,17 +65,12 @@ def _module(device: int):
 
 
 @functools.cache
-def _kernel(name: str, dtype: torch.dtype, device: int | None = None):
+def _kernel(name: str, dtype: torch.dtype, device: int | None = None, more_args: str = ""):
+    """The kernel `name`<dtype> of the module on `device`; `more_args` appends template arguments (",4")."""
     if device is None:
         device = torch.cuda.current_device()
     with _cupy_device(device):
-        return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]}>")
-
-
-@functools.cache
-def _kernel_v2(name: str, dtype: torch.dtype, device: int):
-    with _cupy_device(device):
-        return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]},{FP8_V2_NPT}>")
+        return _module(device).get_function(f"{name}<{CUDA_TYPES[dtype]}{more_args}>")
 
 
 def _cupy_device(device: int):
@@ -253,7 +248,7 @@ def _launch_fp8(name: str, rows: torch.Tensor, tokens: int, width: int, vec_thre
         return
     device = rows.device.index
     if vec_threads and vec_threads * FP8_V2_NPT >= width // 8 and fp8_quant_v2():
-        _kernel_v2(name + "_v2", rows.dtype, device)((tokens,), (vec_threads,), args)
+        _kernel(name + "_v2", rows.dtype, device, f",{FP8_V2_NPT}")((tokens,), (vec_threads,), args)
         return
     kernel, threads = (name + "_vec", vec_threads) if vec_threads else (name, _threads(min(width // 2, 1024)))
     _kernel(kernel, rows.dtype, device)((tokens,), (threads,), args)
