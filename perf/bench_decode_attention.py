@@ -37,22 +37,26 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_blocks: int, max_ctx: int,
-                    repeats: int, dev: str = "cuda") -> list[float]:
+                    repeats: int, dev: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[float]:
     """µs of each of `repeats` replays of one decode forward (cache write + decode + reduce) of
     `batch` sequences of `ctx` tokens, their blocks a random permutation of the cache's (seeded
-    by the batch), captured in a CUDA graph; random bf16 queries and new K/V rows. Raises if
+    by the batch), captured in a CUDA graph; random `dtype` queries and new K/V rows. Raises if
     the output is not finite."""
+    from perf.bench_overlap import replay_times_ms
+
     d, h, kvh, bs = backend.head_dim, backend.num_heads, backend.num_kv_heads, backend.block_size
     gen = torch.Generator().manual_seed(batch)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     n = math.ceil(ctx / bs)
+    if batch * n > num_blocks:
+        raise ValueError(f"{batch}x{ctx}: {batch * n} blocks of {bs} tokens, the cache has {num_blocks}")
     seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
     md = backend.build_metadata(seqs, dev)
     md.max_context_len = max_ctx
-    q = torch.randn(batch, h, d, device=dev).to(torch.bfloat16)
-    k = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
-    v = torch.randn(batch, kvh, d, device=dev).to(torch.bfloat16)
-    out = torch.empty(batch, h, d, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(batch, h, d, device=dev).to(dtype)
+    k = torch.randn(batch, kvh, d, device=dev).to(dtype)
+    v = torch.randn(batch, kvh, d, device=dev).to(dtype)
+    out = torch.empty(batch, h, d, dtype=dtype, device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -61,21 +65,10 @@ def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_block
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         backend.forward(0, q, k, v, md, out=out)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+    samples = [ms * 1e3 for ms in replay_times_ms(graph, repeats)]
     if not torch.isfinite(out).all():
         raise RuntimeError(f"{batch}x{ctx}: the output has non-finite values")
     return samples
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -52,7 +52,8 @@ def rows_of(md: CudaAttentionMetadata, start: int, end: int) -> CudaAttentionMet
     )
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+def replay_times_ms(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
+    """ms of each of `iters` replays of `graph` (CUDA events), after 3 untimed ones."""
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -64,7 +65,11 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    return statistics.median(replay_times_ms(graph, iters))
 
 
 def profile(graph: torch.cuda.CUDAGraph, steps: int) -> dict:

@@ -438,6 +438,8 @@ def _bench_us(fn, iters: int, warmup: int = 3) -> float:
 def test_timings(capsys):
     """Decode (graph replay of one forward: cache write + attention) and prefill (eager),
     Llama-3-8B attention shape: 32 heads, 8 kv heads, d=128, bf16, block 16."""
+    from perf.bench_decode_attention import decode_layer_us
+
     h, kvh, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     max_model_len = 32768
     num_blocks = 256 * 2048 // bs + 64
@@ -458,22 +460,8 @@ def test_timings(capsys):
     for (batch, ctx), decode in cases:
         backend.decode_impl = decode.split()[0]
         backend.decode_min_split = int(decode.split()[-1]) if "min split" in decode else default_min_split
-        seqs = _random_tables([(1, ctx)] * batch, bs, num_blocks, batch)
-        md = backend.build_metadata(seqs, DEV)
-        md.max_context_len = max_model_len
-        q = torch.randn(batch, h, d, device=DEV).to(dtype)
-        k = torch.randn(batch, kvh, d, device=DEV).to(dtype)
-        v = torch.randn(batch, kvh, d, device=DEV).to(dtype)
-        out = torch.empty(batch, h, d, dtype=dtype, device=DEV)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            backend.forward(0, q, k, v, md, out=out)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            backend.forward(0, q, k, v, md, out=out)
-        us = _bench_us(graph.replay, 50)
+        # (the tables _random_tables([(1, ctx)] * batch, bs, num_blocks, batch) would give)
+        us = statistics.median(decode_layer_us(backend, batch, ctx, num_blocks, max_model_len, 50, DEV, dtype))
         gbs = batch * ctx * kv_row_bytes / us / 1e3
         rows.append(
             (
