@@ -20,9 +20,10 @@ KV pressure (docs/KV-PRESSURE.md): `--capacity-policy`, `--preemption-mode` and
 `--kv-watermark` take comma lists; every combination runs on the same loaded engine
 (`Engine.reconfigure`: a fresh block manager and scheduler, an empty prefix cache), so
 guaranteed_no_evict and max_utilization, or recompute, swap and auto, compare in one run.
-`--profile-steps N` runs each greedy row a second time with the torch profiler on for N steps from
-its start and N from its middle: where the time goes (GPU time by kind of kernel, GPU busy
-against wall time, host time by phase). `--sampling greedy,sampled,sampled-penalty` runs each row with each sampling (sampled:
+`--profile-steps N` runs each greedy row a second time with the torch profiler on for N
+steps from its start and N from its middle: where the time goes (GPU time by kind of kernel,
+GPU busy against wall time, host time by phase). `--sampling greedy,sampled,sampled-penalty`
+runs each row with each sampling (sampled:
 temperature 0.8, top_p 0.95, top_k 50; sampled-penalty: the same + repetition_penalty 1.1
 and 5 top log probs), on prompts of their own (no prefix-cache hit across them), and
 prints the throughput ratio to greedy.
