@@ -72,6 +72,17 @@ def default_v5_kv_heads() -> int | None:
     return int(text)
 
 
+def default_v5_splits() -> int | None:
+    """paged_decode_v5's splits of each context: None (decode_splits chooses), or
+    INFLIGHTLLM_DECODE_V5_SPLITS (benchmarks): a positive count, capped as decode_splits caps."""
+    text = os.environ.get("INFLIGHTLLM_DECODE_V5_SPLITS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"INFLIGHTLLM_DECODE_V5_SPLITS={text!r}: a positive count (splits of a decode's context)")
+    return int(text)
+
+
 def default_decode_min_split() -> int:
     """The fewest tokens a split of paged_decode_v2 takes (ops.DECODE_MIN_SPLIT_TOKENS);
     INFLIGHTLLM_DECODE_MIN_SPLIT overrides it: a positive multiple of 32."""
@@ -348,6 +359,7 @@ class CudaPagedAttention(AttentionBackend):
         self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
         self.v5_kv_heads = default_v5_kv_heads()  # v5: kv heads a block, None: v5_blocking chooses
+        self.v5_splits = default_v5_splits()  # v5: splits of a context, None: decode_splits chooses
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype == "fp8"
         if self.decode_impl == "v5" and not self.fp8:
@@ -608,6 +620,8 @@ class CudaPagedAttention(AttentionBackend):
         kv_heads = self.v5_blocking(num_decodes) if variant == "v5" else 1
         base = ops.decode_grid_x(self.num_kv_heads, per_kv, kv_heads) * max(1, num_decodes)
         if variant == "v5":
+            if self.v5_splits is not None:
+                return min(self.v5_splits, cap)
             return ops.wave_splits(base, slots, cap)
         return max(1, min(slots // base, cap))
 
