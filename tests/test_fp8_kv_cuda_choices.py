@@ -90,6 +90,32 @@ def test_v5_kv_heads_and_splits():
     assert [ops.wave_splits(2 * nd, slots, 64) for nd in (1, 32, 256, 512, 1024)] == [64, 6, 3, 3, 2]
     assert ops.wave_splits(8, slots, 4) == 4  # capped (max_model_len / 128)
     assert ops.wave_splits(10**6, slots, 0) == 1
+    # v5's split cost (0.10): 512 and more decodes unsplit (2.6 and more waves of blocks)
+    cost = ops.DECODE_V5_SPLIT_COST
+    assert [ops.wave_splits(2 * nd, slots, 64, cost) for nd in (1, 32, 128, 256, 512, 1024)] == [64, 6, 3, 3, 1, 1]
+
+
+def test_v5_splits_from_the_backend_and_the_environment(monkeypatch):
+    attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
+    attention._num_sms, attention.query_dtype = 132, torch.bfloat16
+    assert (attention.v5_min_split, attention.decode_min_split) == (ops.DECODE_V5_MIN_SPLIT_TOKENS, 32)
+    assert [attention.decode_kernel(nd) for nd in (1, 256, 512, 1024)] == [("v5", 49), ("v5", 3), ("v5", 1), ("v5", 1)]
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_SPLIT_COST", "0.05")
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_MIN_SPLIT", "64")
+    attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
+    attention._num_sms, attention.query_dtype = 132, torch.bfloat16
+    assert (attention.v5_min_split, attention.decode_min_split) == (64, 64)
+    assert [attention.decode_kernel(nd)[1] for nd in (512, 1024)] == [3, 2]
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_SPLITS", "100")
+    attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
+    attention.query_dtype = torch.bfloat16
+    assert attention.decode_kernel(1024) == ("v5", 64)  # capped: one split a 128 tokens of max_model_len
+    for name, text, allowed in (("INFLIGHTLLM_DECODE_V5_SPLITS", "0", "a positive count"),
+                                ("INFLIGHTLLM_DECODE_V5_SPLIT_COST", "two", "a number from 0 to 1")):
+        monkeypatch.setenv(name, text)
+        with pytest.raises(ValueError, match=f"{name}='{text}': {allowed}"):
+            CudaPagedAttention(32, 8, 128, kv_cache_dtype="fp8")
+        monkeypatch.delenv(name)
 
 
 def test_v5_kv_heads_by_batch_and_from_the_environment(monkeypatch):
@@ -112,10 +138,11 @@ def test_fp8_scales_and_kernel_choice():
     assert attention.fp8 and attention.kv_scales == [(0.5, 2.0), (1.0, 1.0)]
     assert all(isinstance(x, float) for pair in attention.kv_scales for x in pair)
     # fp16 / bf16 queries: v5 (tensor cores, 3 blocks a SM), split so that its waves of blocks come
-    # close to full: one decode, a block a kv head, 49 splits; 1,024, blocks of 4 kv heads, 2
+    # close to full, each split costing a tenth of a block: one decode, a block a kv head, 49
+    # splits; 1,024, blocks of 4 kv heads, unsplit
     attention.query_dtype = torch.bfloat16
     assert attention.decode_kernel(1) == ("v5", 49)
-    assert attention.decode_kernel(1024) == ("v5", 2)
+    assert attention.decode_kernel(1024) == ("v5", 1)
     # float32 queries: the kernels of an unquantized cache, v4 where unsplit, else v2
     attention.query_dtype = torch.float32
     assert attention.decode_kernel(1) == ("v2", 64)

@@ -251,11 +251,11 @@ def test_many_decodes_unsplit():
     assert torch.equal(v2, v4)
 
 
-@pytest.mark.parametrize("min_split", [32, 128])
+@pytest.mark.parametrize("min_split", [32, 128, 256])
 def test_long_contexts_and_splits(min_split):
     specs = [(1, n) for n in (1, 31, 32, 33, 511, 513, 4097, 20001)] + [(128, 9000)]
     case = Fp8Case(specs, 32, 8, 128, 16, torch.bfloat16, (0.07, 0.09), seed=21, max_model_len=32768)
-    case.backend.decode_min_split = min_split
+    case.backend.decode_min_split = case.backend.v5_min_split = min_split
     case.check(v2 := case.run("flash", decode="v2"), f"fp8 long, min split {min_split}, decode v2")
     check_v4(case, v2, f"fp8 long, min split {min_split},", "flash")
     case.check(case.run("flash", decode="v5"), f"fp8 long, min split {min_split}, decode v5")

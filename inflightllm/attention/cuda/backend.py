@@ -83,12 +83,28 @@ def default_v5_splits() -> int | None:
     return int(text)
 
 
-def default_decode_min_split() -> int:
-    """The fewest tokens a split of paged_decode_v2 takes (ops.DECODE_MIN_SPLIT_TOKENS);
-    INFLIGHTLLM_DECODE_MIN_SPLIT overrides it: a positive multiple of 32."""
+def default_v5_split_cost() -> float:
+    """paged_decode_v5's cost of a split (ops.wave_splits): ops.DECODE_V5_SPLIT_COST, or
+    INFLIGHTLLM_DECODE_V5_SPLIT_COST (benchmarks): a number from 0 to 1."""
+    text = os.environ.get("INFLIGHTLLM_DECODE_V5_SPLIT_COST", "").strip()
+    if not text:
+        return ops.DECODE_V5_SPLIT_COST
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"INFLIGHTLLM_DECODE_V5_SPLIT_COST={text!r}: a number from 0 to 1 (a split's cost in blocks)")
+    return value
+
+
+def default_decode_min_split(default: int = ops.DECODE_MIN_SPLIT_TOKENS) -> int:
+    """The fewest tokens a split of a decode kernel's context takes (`default`: v2/v4's
+    ops.DECODE_MIN_SPLIT_TOKENS, v5's ops.DECODE_V5_MIN_SPLIT_TOKENS); INFLIGHTLLM_DECODE_MIN_SPLIT
+    overrides it: a positive multiple of 32."""
     text = os.environ.get("INFLIGHTLLM_DECODE_MIN_SPLIT", "").strip()
     if not text:
-        return ops.DECODE_MIN_SPLIT_TOKENS
+        return default
     if not text.isdigit() or int(text) < 32 or int(text) % 32:
         raise ValueError(f"INFLIGHTLLM_DECODE_MIN_SPLIT={text!r}: a positive multiple of 32 (tokens per split)")
     return int(text)
@@ -358,6 +374,8 @@ class CudaPagedAttention(AttentionBackend):
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
+        self.v5_min_split = default_decode_min_split(ops.DECODE_V5_MIN_SPLIT_TOKENS)  # v5's
+        self.v5_split_cost = default_v5_split_cost()
         self.v5_kv_heads = default_v5_kv_heads()  # v5: kv heads a block, None: v5_blocking chooses
         self.v5_splits = default_v5_splits()  # v5: splits of a context, None: decode_splits chooses
         self.kv_cache_dtype = kv_cache_dtype
@@ -622,7 +640,7 @@ class CudaPagedAttention(AttentionBackend):
         if variant == "v5":
             if self.v5_splits is not None:
                 return min(self.v5_splits, cap)
-            return ops.wave_splits(base, slots, cap)
+            return ops.wave_splits(base, slots, cap, self.v5_split_cost)
         return max(1, min(slots // base, cap))
 
     def v5_blocking(self, num_decodes: int) -> int:
@@ -706,7 +724,7 @@ class CudaPagedAttention(AttentionBackend):
                 self.scale,
                 stream,
                 impl,
-                self.decode_min_split,
+                self.v5_min_split if impl == "v5" else self.decode_min_split,
                 scales,
                 self.v5_blocking(nd) if impl == "v5" else 1,
             )

@@ -58,6 +58,14 @@ DECODE_V5_BLOCKS_PER_SM = 3
 # with 4, a block's loads are the 4 heads' rows of the same tokens, 512 contiguous bytes of
 # each token's row. INFLIGHTLLM_DECODE_V5_KV_HEADS overrides it (benchmarks).
 DECODE_V5_KV_HEADS = 4
+# paged_decode_v5's splits (backend.decode_splits, wave_splits): each split costs this share of
+# a block more, and a split takes at least this many tokens (shorter contexts split less, in the
+# kernel). Measured on an H100 (perf/bench_decode_attention.py, 2026-12-06): 1,024 decodes of 192
+# tokens 267 -> 206 µs a layer unsplit instead of 2 splits, 512 of 1,152 507 -> 480; 256 of
+# 2,048 keep 3 splits (421 µs; 1 split: 495). INFLIGHTLLM_DECODE_V5_SPLIT_COST and
+# INFLIGHTLLM_DECODE_MIN_SPLIT override them (benchmarks).
+DECODE_V5_SPLIT_COST = 0.10
+DECODE_V5_MIN_SPLIT_TOKENS = 256
 DECODE_V5_KV_HEAD_CHOICES = (1, 2, 4)
 
 
