@@ -1,0 +1,111 @@
+"""The FP8 weight GEMMs of a model shape on the GPU, alone, by scaling recipe: TFLOP/s by rows.
+
+For each linear layer of one decoder layer (fused qkv, o, fused gate/up, down) and each row count
+M, the median time of `torch._scaled_mm` on e4m3 operands under each recipe of `--recipes`:
+
+- `row`: per-token activation scales [M, 1] and per-channel weight scales [1, N] (the engine's
+  `model.quantization: fp8`), bf16 out;
+- `row-fast`: the same with `use_fast_accum` (cuBLASLt's faster, less exact accumulation);
+- `tensor`: one scale for the activations and one for the weights (TensorRT-LLM's and vLLM's
+  default FP8 recipe), bf16 out;
+- `tensor-fast`: the same with `use_fast_accum`;
+- `bf16`: `F.linear` on the bf16 weights (the baseline).
+
+It prints one JSON line per (layer, M, recipe) and, per M and recipe, the four layers together
+(ms and TFLOP/s), so that a recipe's gain on a whole layer's GEMMs reads directly:
+
+    python3 -m perf.bench_fp8_gemm --rows 1024,4096,16384 --recipes row,row-fast,tensor,bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from inflightllm.models.llama import LlamaArch
+from inflightllm.models.shapes import shape_config
+from perf.bench_gemm import layer_shapes
+
+RECIPES = ("row", "row-fast", "tensor", "tensor-fast", "bf16")
+
+
+def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median ms of `fn` over `iters` calls, each between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda"):
+    """A closure running one [m, k] x [k, n] product of `recipe` on random operands."""
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    if recipe == "bf16":
+        return lambda: F.linear(x, w)
+    e4m3 = torch.float8_e4m3fn
+    fast = recipe.endswith("-fast")
+    if recipe.startswith("row"):
+        sa = x.abs().amax(dim=1, keepdim=True).float() / 448.0
+        sb = w.abs().amax(dim=1, keepdim=True).float().t().contiguous() / 448.0
+        xq, wq = (x / sa).to(e4m3), (w / sb.t()).to(e4m3)
+    else:
+        sa = (x.abs().amax().float() / 448.0).reshape(())
+        sb = (w.abs().amax().float() / 448.0).reshape(())
+        xq, wq = (x / sa).to(e4m3), (w / sb).to(e4m3)
+    wt = wq.t()  # [k, n], column-major: the layout _scaled_mm wants for its second operand
+    return lambda: torch._scaled_mm(xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--rows", default="1024,4096,16384")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_gemm needs a CUDA GPU")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    for recipe in recipes:
+        if recipe not in RECIPES:
+            raise SystemExit(f"--recipes: {recipe!r} is not one of {', '.join(RECIPES)}")
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = {name: nk for name, nk in layer_shapes(LlamaArch.from_config(shape_config(args.shape))).items()
+              if name != "lm_head"}
+    print(torch.cuda.get_device_name(), flush=True)
+    for m in rows:
+        totals = {}
+        for recipe in recipes:
+            total_ms = total_flop = 0.0
+            for name, (n, k) in shapes.items():
+                ms = time_ms(gemm_fn(recipe, m, n, k))
+                flop = 2.0 * m * n * k
+                total_ms += ms
+                total_flop += flop
+                print(json.dumps({"layer": name, "rows": m, "recipe": recipe, "ms": round(ms, 4),
+                                  "tflop_s": round(flop / ms / 1e9, 1)}), flush=True)
+                torch.cuda.empty_cache()
+            totals[recipe] = total_ms
+            print(json.dumps({"layer": "all four", "rows": m, "recipe": recipe, "ms": round(total_ms, 4),
+                              "tflop_s": round(total_flop / total_ms / 1e9, 1)}), flush=True)
+        base = totals.get("row")
+        if base:
+            print(f"rows {m}: " + ", ".join(f"{r} {base / t:.3f}x" for r, t in totals.items()) + " of row's speed",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
