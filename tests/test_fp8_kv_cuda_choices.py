@@ -98,16 +98,13 @@ def test_v5_kv_heads_and_splits():
 def test_v5_splits_from_the_backend_and_the_environment(monkeypatch):
     attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
     attention._num_sms, attention.query_dtype = 132, torch.bfloat16
-    assert (attention.v5_min_split, attention.decode_min_split) == (None, 32)
-    # 256 tokens a split from 50 decodes (8 kv heads x 50 blocks fill 396 resident blocks), 32 below
-    assert [attention.v5_min_split_for(nd) for nd in (1, 49, 50, 1024)] == [32, 32, 256, 256]
+    assert (attention.v5_min_split, attention.decode_min_split) == (ops.DECODE_V5_MIN_SPLIT_TOKENS, 32)
     assert [attention.decode_kernel(nd) for nd in (1, 256, 512, 1024)] == [("v5", 49), ("v5", 3), ("v5", 1), ("v5", 1)]
     monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_SPLIT_COST", "0.05")
     monkeypatch.setenv("INFLIGHTLLM_DECODE_MIN_SPLIT", "64")
     attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
     attention._num_sms, attention.query_dtype = 132, torch.bfloat16
     assert (attention.v5_min_split, attention.decode_min_split) == (64, 64)
-    assert attention.v5_min_split_for(1) == attention.v5_min_split_for(1024) == 64
     assert [attention.decode_kernel(nd)[1] for nd in (512, 1024)] == [3, 2]
     monkeypatch.setenv("INFLIGHTLLM_DECODE_V5_SPLITS", "100")
     attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")

@@ -98,10 +98,10 @@ def default_v5_split_cost() -> float:
     return value
 
 
-def default_decode_min_split(default: int | None = ops.DECODE_MIN_SPLIT_TOKENS) -> int | None:
+def default_decode_min_split(default: int = ops.DECODE_MIN_SPLIT_TOKENS) -> int:
     """The fewest tokens a split of a decode kernel's context takes (`default`: v2/v4's
-    ops.DECODE_MIN_SPLIT_TOKENS; v5's None, CudaPagedAttention.v5_min_split_for chooses by batch);
-    INFLIGHTLLM_DECODE_MIN_SPLIT overrides it: a positive multiple of 32."""
+    ops.DECODE_MIN_SPLIT_TOKENS, v5's ops.DECODE_V5_MIN_SPLIT_TOKENS); INFLIGHTLLM_DECODE_MIN_SPLIT
+    overrides it: a positive multiple of 32."""
     text = os.environ.get("INFLIGHTLLM_DECODE_MIN_SPLIT", "").strip()
     if not text:
         return default
@@ -374,7 +374,7 @@ class CudaPagedAttention(AttentionBackend):
         self.prefill_impl = prefill_impl or PREFILL_DEFAULT  # "mma" | "flash" (fp16/bf16 only)
         self.decode_impl = default_decode_impl()  # "v1" | "v2" | "v4" | "auto" (DECODE_IMPLS)
         self.decode_min_split = default_decode_min_split()  # v2/v4: the fewest tokens per split
-        self.v5_min_split = default_decode_min_split(None)  # v5's, None: v5_min_split_for chooses
+        self.v5_min_split = default_decode_min_split(ops.DECODE_V5_MIN_SPLIT_TOKENS)  # v5's
         self.v5_split_cost = default_v5_split_cost()
         self.v5_kv_heads = default_v5_kv_heads()  # v5: kv heads a block, None: v5_blocking chooses
         self.v5_splits = default_v5_splits()  # v5: splits of a context, None: decode_splits chooses
@@ -655,19 +655,6 @@ class CudaPagedAttention(AttentionBackend):
             return 1
         return ops.v5_kv_heads(self.num_kv_heads)
 
-    def v5_min_split_for(self, num_decodes: int) -> int:
-        """paged_decode_v5's fewest tokens a split for `num_decodes` decodes (host ints only):
-        ops.DECODE_V5_MIN_SPLIT_TOKENS where a block a kv head already fills the GPU's resident
-        blocks once (many decodes: a short context is not worth its split's fixed costs), else
-        ops.DECODE_MIN_SPLIT_TOKENS (few decodes: latency, the more blocks the better);
-        v5_min_split (INFLIGHTLLM_DECODE_MIN_SPLIT) when set."""
-        if self.v5_min_split is not None:
-            return self.v5_min_split
-        _, per_kv = ops.decode_group_split(self.num_heads // self.num_kv_heads, "v5")
-        if ops.decode_grid_x(self.num_kv_heads, per_kv) * max(1, num_decodes) < ops.DECODE_V5_BLOCKS_PER_SM * self._num_sms:
-            return ops.DECODE_MIN_SPLIT_TOKENS
-        return ops.DECODE_V5_MIN_SPLIT_TOKENS
-
     def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
         """(the decode kernel of ops.DECODE_KERNELS or v5, its split count) for `num_decodes`
         decodes: with "auto", v5 for an FP8 cache read by fp16 / bf16 queries, else v4 where the
@@ -737,7 +724,7 @@ class CudaPagedAttention(AttentionBackend):
                 self.scale,
                 stream,
                 impl,
-                self.v5_min_split_for(nd) if impl == "v5" else self.decode_min_split,
+                self.v5_min_split if impl == "v5" else self.decode_min_split,
                 scales,
                 self.v5_blocking(nd) if impl == "v5" else 1,
             )

@@ -59,8 +59,8 @@ DECODE_V5_BLOCKS_PER_SM = 3
 # each token's row. INFLIGHTLLM_DECODE_V5_KV_HEADS overrides it (benchmarks).
 DECODE_V5_KV_HEADS = 4
 # paged_decode_v5's splits (backend.decode_splits, wave_splits): each split costs this share of
-# a block more, and, where a block a kv head fills the GPU once (backend.v5_min_split_for), a
-# split takes at least this many tokens (shorter contexts split less, in the kernel). Measured on an H100 (perf/bench_decode_attention.py, 2026-12-06): 1,024 decodes of 192
+# a block more, and a split takes at least this many tokens (shorter contexts split less, in the
+# kernel). Measured on an H100 (perf/bench_decode_attention.py, 2026-12-06): 1,024 decodes of 192
 # tokens 267 -> 206 µs a layer unsplit instead of 2 splits, 512 of 1,152 507 -> 480; 256 of
 # 2,048 keep 3 splits (421 µs; 1 split: 495). INFLIGHTLLM_DECODE_V5_SPLIT_COST and
 # INFLIGHTLLM_DECODE_MIN_SPLIT override them (benchmarks).
