@@ -21,32 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from inflightllm.models.llama import LlamaArch
 from inflightllm.models.shapes import shape_config
-from perf.bench_gemm import layer_shapes
+from perf.bench_gemm import layer_shapes, time_ms
 
 RECIPES = ("row", "row-fast", "tensor", "tensor-fast", "bf16")
-
-
-def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
-    """Median ms of `fn` over `iters` calls, each between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda"):
@@ -90,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             total_ms = total_flop = 0.0
             for name, (n, k) in shapes.items():
-                ms = time_ms(gemm_fn(recipe, m, n, k))
+                ms = time_ms(gemm_fn(recipe, m, n, k), iters=30)
                 flop = 2.0 * m * n * k
                 total_ms += ms
                 total_flop += flop
