@@ -34,9 +34,9 @@ def test_decode_impl_from_the_environment(monkeypatch):
     monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v4")
     assert CudaPagedAttention(8, 2, 64).decode_impl == "v4"
     monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v3")
-    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v3' is not a decode kernel; allowed: v1, v2, v4, v5, auto"):
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v3' is not a decode kernel; allowed: v1, v2, v4, v5, v6, auto"):
         CudaPagedAttention(8, 2, 64)
-    assert backend.DECODE_IMPLS == ("v1", "v2", "v4", "v5", "auto")
+    assert backend.DECODE_IMPLS == ("v1", "v2", "v4", "v5", "v6", "auto")
 
 
 def test_v4_ring_and_name(monkeypatch):

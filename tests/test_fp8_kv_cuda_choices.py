@@ -67,7 +67,7 @@ def test_constructor_refusals(monkeypatch):
     monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v1")
     assert CudaPagedAttention(8, 2, 64).decode_impl == "v1"  # an unquantized cache still may
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v1' does not read an FP8 KV cache "
-                                         r"\(engine.kv_cache_dtype fp8\); allowed: v2, v4, v5, auto"):
+                                         r"\(engine.kv_cache_dtype fp8\); allowed: v2, v4, v5, v6, auto"):
         CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8")
     monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v5")
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v5' reads only an FP8 KV cache "
@@ -77,6 +77,21 @@ def test_constructor_refusals(monkeypatch):
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries \(the model's "
                                          r"dtype is float32\); allowed for float32: v2, v4, auto"):
         CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").allocate_kv_cache(4, 16, 1, 2, 64, torch.float32, "cpu")
+    # v6: every kv head of a sequence in one block, its ring of 3 x 2 pages in shared memory
+    monkeypatch.setenv("INFLIGHTLLM_DECODE_IMPL", "v6")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v6' reads only an FP8 KV cache"):
+        CudaPagedAttention(8, 2, 64)
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v6' needs fp16 or bf16 queries"):
+        CudaPagedAttention(8, 2, 64, kv_cache_dtype="fp8").allocate_kv_cache(4, 16, 1, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_IMPL='v6' takes every kv head of a sequence in one "
+                                         r"block: at most 8 kv heads .* this cache: 16 kv heads, head_dim 128, "
+                                         r"block_size 16; allowed: v5, auto"):
+        CudaPagedAttention(32, 16, 128, kv_cache_dtype="fp8").allocate_kv_cache(4, 16, 1, 16, 128, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"this cache: 8 kv heads, head_dim 128, block_size 64"):  # a 384 KiB ring
+        CudaPagedAttention(32, 8, 128, kv_cache_dtype="fp8").allocate_kv_cache(4, 64, 1, 8, 128, torch.bfloat16, "cpu")
+    assert ops.decode_v6_smem(16, 8, 128) == 96 * 1024 and ops.decode_v6_blocks_per_sm(96 * 1024) == 2
+    assert ops.decode_v6_blocks_per_sm(ops.decode_v6_smem(32, 8, 128)) == 1
+    assert ops.decode_kernel_name("v6", "__nv_bfloat16", 128, 8, ops.FP8_CTYPE) == "paged_decode_v6<__nv_bfloat16,128,fp8e4m3>"
 
 
 def test_v5_kv_heads_and_splits():

@@ -199,6 +199,7 @@ def test_mixed_batch_bf16(head_dim, group, scales):
         case.backend.v5_kv_heads = kv_heads
         case.check(case.run("flash", decode="v5"), label + f" flash, decode v5 (tensor cores), {kv_heads} kv heads a block")
     case.backend.v5_kv_heads = None
+    case.check(case.run("flash", decode="v6"), label + " flash, decode v6 (pages by TMA)")
     assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v5"
     case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v5)")
 
@@ -210,6 +211,7 @@ def test_v5_groups_of_more_or_fewer_than_8_heads(group):
     case = Fp8Case(MIXED, 2 * group, 2, 128, 16, torch.bfloat16, (0.023, 0.0171), seed=group)
     label = f"fp8 mixed bf16 d=128 gqa={group}"
     case.check(case.run("flash", decode="v5"), label + " decode v5")
+    case.check(case.run("flash", decode="v6"), label + " decode v6")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -225,6 +227,7 @@ def test_mixed_batch_other_dtypes(dtype):
     if dtype != torch.float32:
         case.check(case.run("mma", decode="v2"), label + " mma, decode v2")
         case.check(case.run("flash", decode="v5"), label + " decode v5")
+        case.check(case.run("flash", decode="v6"), label + " decode v6")
     else:  # v5 computes in f16: not for float32 queries, which "auto" keeps on v2 / v4
         assert case.backend.decode_kernel(case.metadata.num_decodes)[0] in ("v2", "v4")
 
@@ -245,6 +248,7 @@ def test_many_decodes_unsplit():
         case.backend.v5_kv_heads = kv_heads
         case.check(case.run(decode="v5"), f"fp8 300 decodes unsplit, decode v5, {kv_heads} kv heads a block")
     case.backend.v5_kv_heads = None
+    case.check(case.run(decode="v6"), "fp8 300 decodes unsplit, decode v6")
     case.check(v4 := case.run(decode="v4"), "fp8 300 decodes unsplit, decode v4")
     v2 = case.run(decode="v2")
     case.check(v2, "fp8 300 decodes unsplit, decode v2")
@@ -259,6 +263,7 @@ def test_long_contexts_and_splits(min_split):
     case.check(v2 := case.run("flash", decode="v2"), f"fp8 long, min split {min_split}, decode v2")
     check_v4(case, v2, f"fp8 long, min split {min_split},", "flash")
     case.check(case.run("flash", decode="v5"), f"fp8 long, min split {min_split}, decode v5")
+    case.check(case.run("flash", decode="v6"), f"fp8 long, min split {min_split}, decode v6")
 
 
 def test_sliding_window():
@@ -268,6 +273,7 @@ def test_sliding_window():
     check_v4(case, v2, "fp8 window=256 flash,", "flash")
     case.check(case.run("mma", decode="v2"), "fp8 window=256 mma, decode v2")
     case.check(case.run("flash", decode="v5"), "fp8 window=256 flash, decode v5")
+    case.check(case.run("flash", decode="v6"), "fp8 window=256 flash, decode v6")
 
 
 def test_prefill_only_unfused_inputs():
@@ -306,7 +312,7 @@ def test_padding_and_unaligned_inputs():
     assert not ops.aligned16(k)
     initial = backend.kv_cache.clone()
     expected = ref.forward(0, q[:2].double(), k[:2].double(), v[:2].double(), ref_metadata(ref, seqs))
-    for decode in ("v2", "v4", "v5"):
+    for decode in ("v2", "v4", "v5", "v6"):
         backend.decode_impl = decode
         out = torch.full((3, h, d), float("nan"), dtype=torch.bfloat16, device=DEV)
         backend.forward(0, q, k, v, pad, out=out)
@@ -669,11 +675,14 @@ def test_fp8_decode_timings():
     max_model_len = 8192
     num_blocks = 256 * 2048 // bs + 64
     rows, times = [], {}
-    cases = (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "v5 1 kv head"), ("fp8", "auto"))  # fp8 auto: v5, 4 kv heads
+    cases = (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "v5 1 kv head"), ("fp8", "auto"),  # fp8 auto: v5, 4 kv heads
+             ("fp8", "v6"))
     for kind, decode in cases:
         backend = CudaPagedAttention(h, kvh, d, max_model_len=max_model_len, kv_cache_dtype=kind)
         if decode == "v5 1 kv head":
             backend.v5_kv_heads = 1
+        if decode == "v6":
+            backend.decode_impl = "v6"
         backend.allocate_kv_cache(num_blocks, bs, 1, kvh, d, torch.bfloat16, DEV)
         if kind == "fp8":
             backend.kv_cache.copy_(quantize_with_scale(torch.randn(backend.kv_cache.shape, device=DEV), 1.0).view(torch.uint8))

@@ -45,7 +45,7 @@ PREFILL_DEFAULT = "flash"
 # next to the small-batch kernels; with an FP8 cache and fp16 / bf16 queries, v5: tensor cores,
 # docs/FP8-KV-CACHE.md). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
 DECODE_DEFAULT = "auto"
-DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "auto")
+DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "v6", "auto")
 KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
@@ -380,9 +380,9 @@ class CudaPagedAttention(AttentionBackend):
         self.v5_splits = default_v5_splits()  # v5: splits of a context, None: decode_splits chooses
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype == "fp8"
-        if self.decode_impl == "v5" and not self.fp8:
+        if self.decode_impl in ("v5", "v6") and not self.fp8:
             raise ValueError(
-                "INFLIGHTLLM_DECODE_IMPL='v5' reads only an FP8 KV cache (engine.kv_cache_dtype fp8); "
+                f"INFLIGHTLLM_DECODE_IMPL={self.decode_impl!r} reads only an FP8 KV cache (engine.kv_cache_dtype fp8); "
                 f"allowed here: {', '.join(ops.DECODE_KERNELS)}, auto"
             )
         if self.fp8 and self.decode_impl not in (*ops.FP8_DECODE_KERNELS, "auto"):
@@ -418,9 +418,15 @@ class CudaPagedAttention(AttentionBackend):
     def allocate_kv_cache(
         self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device
     ):
-        if self.decode_impl == "v5" and dtype == torch.float32:  # (before CuPy: a CPU-testable refusal)
-            raise ValueError("INFLIGHTLLM_DECODE_IMPL='v5' needs fp16 or bf16 queries (the model's dtype is float32); "
-                             "allowed for float32: v2, v4, auto")
+        if self.decode_impl in ("v5", "v6") and dtype == torch.float32:  # (before CuPy: a CPU-testable refusal)
+            raise ValueError(f"INFLIGHTLLM_DECODE_IMPL={self.decode_impl!r} needs fp16 or bf16 queries (the model's "
+                             "dtype is float32); allowed for float32: v2, v4, auto")
+        if self.decode_impl == "v6" and (num_kv_heads > ops.DECODE_V6_MAX_KV_HEADS
+                                         or ops.decode_v6_smem(block_size, num_kv_heads, head_dim) > ops.DECODE_V6_MAX_SMEM):
+            raise ValueError(f"INFLIGHTLLM_DECODE_IMPL='v6' takes every kv head of a sequence in one block: at most "
+                             f"{ops.DECODE_V6_MAX_KV_HEADS} kv heads and a ring of {ops.DECODE_V6_MAX_SMEM} bytes "
+                             f"({ops.DECODE_V6_STAGES} x 2 pages of block_size x kv heads x head_dim); this cache: "
+                             f"{num_kv_heads} kv heads, head_dim {head_dim}, block_size {block_size}; allowed: v5, auto")
         import cupy
 
         if block_size <= 0 or block_size & (block_size - 1):
@@ -637,7 +643,11 @@ class CudaPagedAttention(AttentionBackend):
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
         kv_heads = self.v5_blocking(num_decodes) if variant == "v5" else 1
         base = ops.decode_grid_x(self.num_kv_heads, per_kv, kv_heads) * max(1, num_decodes)
-        if variant == "v5":
+        if variant == "v6":  # a block a sequence's kv heads, resident blocks by its ring
+            base = per_kv * max(1, num_decodes)
+            smem = ops.decode_v6_smem(max(16, self.block_size), self.num_kv_heads, self.head_dim)
+            slots = ops.decode_v6_blocks_per_sm(smem) * self._num_sms
+        if variant in ("v5", "v6"):
             if self.v5_splits is not None:
                 return min(self.v5_splits, cap)
             return ops.wave_splits(base, slots, cap, self.v5_split_cost)
@@ -662,8 +672,8 @@ class CudaPagedAttention(AttentionBackend):
         impl = self.decode_impl
         if impl == "auto" and self.fp8 and self.query_dtype != torch.float32:
             impl = "v5"
-        if impl == "v5":
-            return impl, self.decode_splits(num_decodes, variant="v5")
+        if impl in ("v5", "v6"):
+            return impl, self.decode_splits(num_decodes, variant=impl)
         splits = self.decode_splits(num_decodes)
         if impl == "auto":
             impl = "v4" if splits == 1 else "v2"
@@ -724,9 +734,10 @@ class CudaPagedAttention(AttentionBackend):
                 self.scale,
                 stream,
                 impl,
-                self.v5_min_split if impl == "v5" else self.decode_min_split,
+                self.v5_min_split if impl in ("v5", "v6") else self.decode_min_split,
                 scales,
                 self.v5_blocking(nd) if impl == "v5" else 1,
+                self.block_size,
             )
         if metadata.num_prefills > 0 and metadata.max_query_len > 0:
             kind = self.prefill_kind(query.dtype)

@@ -16,6 +16,8 @@
 //                                  by cp.async into shared memory (the default where unsplit)
 //   paged_decode_v5<T, D, fp8e4m3>  flash-decoding of an FP8 cache on tensor cores (mma.sync in
 //                                  f16; the default for an FP8 cache with fp16 / bf16 queries)
+//   paged_decode_v6<T, D, fp8e4m3>  version 5's scoring, the cache read a page at a time into
+//                                  shared memory by cp.async.bulk (TMA), every kv head a block
 //   paged_decode<T, D, MAXG>       flash-decoding, first version (shared-memory logits per chunk)
 //   decode_reduce<T, D>            combines the splits (decode_reduce_v1: the first version)
 //   prefill_fma<T, D>              prefill / chunked prefill, plain FMA (fp32 path)
@@ -1669,6 +1671,11 @@ template <> struct RowBytes<32> {
         v[1] = valid ? __ldg(reinterpret_cast<const uint4*>(p) + 1) : make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ u32 word(int i) const { return reinterpret_cast<const u32*>(v)[i]; }
+    __device__ __forceinline__ void lds(const unsigned char* p) {  // from shared memory (v6)
+        v[0] = *reinterpret_cast<const uint4*>(p);
+        v[1] = *reinterpret_cast<const uint4*>(p + 16);
+    }
+    __device__ __forceinline__ void zero() { v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u); }
 };
 template <> struct RowBytes<16> {
     uint4 v;
@@ -1676,6 +1683,8 @@ template <> struct RowBytes<16> {
         v = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ u32 word(int i) const { return reinterpret_cast<const u32*>(&v)[i]; }
+    __device__ __forceinline__ void lds(const unsigned char* p) { v = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void zero() { v = make_uint4(0u, 0u, 0u, 0u); }
 };
 template <> struct RowBytes<8> {
     uint2 v;
@@ -1683,6 +1692,8 @@ template <> struct RowBytes<8> {
         v = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
     }
     __device__ __forceinline__ u32 word(int i) const { return i ? v.y : v.x; }
+    __device__ __forceinline__ void lds(const unsigned char* p) { v = *reinterpret_cast<const uint2*>(p); }
+    __device__ __forceinline__ void zero() { v = make_uint2(0u, 0u); }
 };
 template <> struct RowBytes<4> {
     u32 v;
@@ -1690,6 +1701,8 @@ template <> struct RowBytes<4> {
         v = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
     }
     __device__ __forceinline__ u32 word(int) const { return v; }
+    __device__ __forceinline__ void lds(const unsigned char* p) { v = *reinterpret_cast<const u32*>(p); }
+    __device__ __forceinline__ void zero() { v = 0u; }
 };
 
 template <typename T, int D, int HW, typename CT = fp8e4m3>
@@ -1906,4 +1919,277 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     decode_merge_warps<T, D, KW, R, true, HW>(s_red, s_ml, ng, tid, v_scale, direct, out, part_out, part_m, part_l,
                                               (i64)seq * num_heads + kq * HW * group + g0, Z, split,
                                               num_kv_heads - kq * HW, group);
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged_decode_v6<T, D[, CT]>: paged_decode_v5's tensor-core scoring with the cache read a page
+// at a time by the copy engine. A block (V6_WARPS warps) serves every kv head of a sequence and
+// split (warp w: kv head w; heads past the model's idle), so a page of the cache, block_size
+// tokens x num_kv_heads x D bytes of K and as many of V, contiguous, is the block's whole need
+// for those tokens: one thread sends it by cp.async.bulk (the TMA unit) into a ring of
+// V6_STAGES pages in dynamic shared memory, V6_STAGES - 1 pages in flight while one is scored,
+// each page's arrival counted by an mbarrier. No K/V bytes pass through registers before use
+// (v5 holds a tile ahead in 64 registers a thread and runs at 3 blocks of 4 warps a SM: 18 %
+// occupancy, DRAM 65 % busy on an H200); here the bytes in flight a SM are the ring's. A warp
+// scores 16-key sub-tiles of a page from shared memory: K rows 8j + gr, bytes [t D/4, (t + 1)
+// D/4); V rows 2t + {0, 1, 8, 9}, bytes [gr D/16, ..) and [(gr + 8) D/16, ..), as v5 (keys
+// outside [r0, r1) masked, their V bytes zeroed: a page's unused slots hold anything). The
+// ring's slot is reused after a __syncthreads (every warp done with it). One warp a kv head:
+// each warp's (m, l, O) is its heads' result, written from registers. Grid (head groups of 8,
+// decodes, splits), splits, partials and decode_reduce as v2. ops.decode_dynamic_smem sizes the
+// ring: V6_STAGES x 2 pages.
+#ifndef V6_STAGES
+#define V6_STAGES 3
+#endif
+#define V6_WARPS 8
+
+// (sm_90 and later: the host takes v6 only there; elsewhere these trap)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define V6_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define V6_ASM(...) __trap()
+#endif
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    V6_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { V6_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    V6_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    V6_ASM("{\n .reg .pred p;\n WAIT_%=:\n"
+           " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+           " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into shared
+// memory by the TMA unit, counted on the mbarrier `bar`; fence_proxy_async orders the warps'
+// reads of a slot (generic proxy, after a __syncthreads) before the copy engine's writes to it
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    V6_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+           ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { V6_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <typename T, int D, typename CT = fp8e4m3>
+__global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE_PARAMS) {
+    pdl_trigger();
+    static_assert(sizeof(CT) == 1, "an FP8 cache");
+    static_assert(D == 64 || D == 128, "head_dim");
+    constexpr int R = 8;        // query heads a warp
+    constexpr int KB = D / 4;   // bytes of a key row a lane holds
+    constexpr int MT = D / 16;  // m-tiles of O^T
+    constexpr int KS = D / 16;  // k-steps of S = Q K^T
+    extern __shared__ __align__(128) unsigned char v6_ring[];
+    __shared__ __align__(8) unsigned long long v6_full[V6_STAGES];
+
+    const int hg = blockIdx.x;
+    const int g0 = hg * R;
+    const int ng = min(R, group - g0);
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int Z = gridDim.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gr = lane >> 2, t = lane & 3;
+    const int kvh = warp;
+    const bool live = kvh < num_kv_heads;
+    const int head0 = kvh * group + g0;
+
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const int ctx = context_lens[seq];
+    const int start = (window > 0) ? max(0, ctx - window) : 0;
+    const int n = ctx - start;
+    int active;
+    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
+    if (split >= active) {
+        pdl_wait();
+        if (split == 0 && min_split > 0 && tid < DEC_THREADS)
+            for (int h = 0; h < num_kv_heads; ++h)
+                decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, h * group + g0, ng, split, 1,
+                                         tid);
+        return;
+    }
+    const bool direct = active == 1 && min_split > 0;
+    const int r0 = start + split * per;
+    const int r1 = min(ctx, r0 + per);
+    const int bs = 1 << bs_shift;
+    const int p0 = r0 >> bs_shift;                        // the split's first page (of the sequence)
+    const int np = ((r1 - 1) >> bs_shift) - p0 + 1;       // and its pages
+    const u32 page_bytes = (u32)bs * num_kv_heads * D;    // of K, and of V
+    const u32 ring = smem_u32(v6_ring);
+    const u32 full0 = smem_u32(v6_full);
+    if (tid == 0) {
+        for (int s = 0; s < V6_STAGES; ++s) mbar_init(full0 + 8 * s, 1);
+        mbar_init_fence();
+    }
+    // page i's block-table entry, read before the wait (the tables come before the step's kernels)
+    const int first_entry = (tid == 0) ? __ldg(bt + p0) : 0;
+    __syncthreads();
+    pdl_wait();  // the query and this step's K/V row come from the kernels before
+
+    // page i of the split into ring slot i % V6_STAGES (thread 0)
+    auto send = [&](int i, int entry) {
+        const int s = i % V6_STAGES;
+        const u32 bar = full0 + 8 * s;
+        const u32 dst = ring + 2u * page_bytes * s;
+        mbar_expect_tx(bar, 2u * page_bytes);
+        bulk_copy(dst, reinterpret_cast<const unsigned char*>(key_cache) + (i64)entry * page_bytes, page_bytes, bar);
+        bulk_copy(dst + page_bytes, reinterpret_cast<const unsigned char*>(value_cache) + (i64)entry * page_bytes,
+                  page_bytes, bar);
+    };
+    // thread 0 holds the entry of the next page to send, loaded a page ahead (its load's wait
+    // would otherwise hold warp 0, and at the next barrier every warp)
+    int next_entry = 0;
+    if (tid == 0) {
+        send(0, first_entry);
+        for (int i = 1; i < V6_STAGES - 1 && i < np; ++i) send(i, __ldg(bt + p0 + i));
+        if (V6_STAGES - 1 < np) next_entry = __ldg(bt + p0 + V6_STAGES - 1);
+    }
+
+    // A fragments of Q (row gr; rows 8..15 zero), as v5
+    u32 qa[KS][4];
+    {
+        float f[KB];
+        if (gr < ng && live) {
+            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB;
+#pragma unroll
+            for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < KB; ++i) f[i] = 0.f;
+        }
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            qa[s][0] = pack2<__half>(f[4 * s] * scale_log2, f[4 * s + 1] * scale_log2);
+            qa[s][2] = pack2<__half>(f[4 * s + 2] * scale_log2, f[4 * s + 3] * scale_log2);
+            qa[s][1] = qa[s][3] = 0u;
+        }
+    }
+    float o[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    float mr = neg_inf(), lr = 0.f;
+    const int row_bytes = num_kv_heads * D;  // a token's row of the page (every kv head)
+    const int koff = kvh * D + t * KB;       // this lane's bytes of a key row
+    const int voff = kvh * D + gr * MT;      // and of a value row (then + 8 MT)
+
+    for (int i = 0; i < np; ++i) {
+        if (i > 0) __syncthreads();  // every warp is done with page i - 1: its slot is free
+        if (tid == 0 && i + V6_STAGES - 1 < np) {
+            fence_proxy_async();
+            send(i + V6_STAGES - 1, next_entry);
+            if (i + V6_STAGES < np) next_entry = __ldg(bt + p0 + i + V6_STAGES);
+        }
+        const int s = i % V6_STAGES;
+        mbar_wait(full0 + 8 * s, (u32)((i / V6_STAGES) & 1));
+        if (!live) continue;
+        const unsigned char* kp = v6_ring + 2u * page_bytes * s;
+        const unsigned char* vp = kp + page_bytes;
+        const int pk0 = (p0 + i) << bs_shift;  // the page's first key
+        for (int sub = 0; sub < bs; sub += 16) {
+            const int kb = pk0 + sub;  // keys kb .. kb + 15
+            if (kb + 16 <= r0 || kb >= r1) continue;  // (uniform over the warp)
+            // S = Q K^T: sc[j][0..1] = head gr, keys kb + 8j + 2t + {0, 1}
+            float sc[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                RowBytes<KB> kr;
+                kr.lds(kp + (sub + 8 * j + gr) * row_bytes + koff);
+                sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+                for (int st = 0; st < KS; ++st) {
+                    const u32 w = kr.word(st);
+                    mma16816<__half>(sc[j], qa[st], e4m3x2_to_h2(w), e4m3x2_to_h2(w >> 16));
+                }
+            }
+            float tm = neg_inf();
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kb + 8 * j + 2 * t + e;
+                    if (key < r0 || key >= r1) sc[j][e] = neg_inf();
+                    tm = fmaxf(tm, sc[j][e]);
+                }
+            tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 1));
+            tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 2));
+            const float mn = fmaxf(mr, tm);  // finite: a key of the sub-tile is in the split
+            const float alpha = exp2f(mr - mn);
+            mr = mn;
+            lr *= alpha;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    sc[j][e] = exp2f(sc[j][e] - mn);
+                    lr += sc[j][e];
+                }
+            const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(FULL_MASK, alpha, 8 * t + 4);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                o[mt][0] *= a0; o[mt][1] *= a1;
+                o[mt][2] *= a0; o[mt][3] *= a1;
+            }
+            // V rows kb + 2t + {0, 1, 8, 9} (e), bytes gr MT.. and (gr + 8) MT..; zero outside the split
+            RowBytes<MT> vlo[4], vhi[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int kl = sub + 2 * t + (e & 1) + 8 * (e >> 1);
+                const unsigned char* p = vp + kl * row_bytes + voff;
+                vlo[e].lds(p);
+                vhi[e].lds(p + 8 * MT);
+                const int key = pk0 + kl;
+                if (key < r0 || key >= r1) {
+                    vlo[e].zero();
+                    vhi[e].zero();
+                }
+            }
+            const u32 pb0 = pack2<__half>(sc[0][0], sc[0][1]);
+            const u32 pb1 = pack2<__half>(sc[1][0], sc[1][1]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt += 2) {
+                const int w = mt >> 2;
+                const u32 sel = (mt & 2) ? 0x7362u : 0x5140u;
+                const u32 x0 = __byte_perm(vlo[0].word(w), vlo[1].word(w), sel);
+                const u32 x1 = __byte_perm(vhi[0].word(w), vhi[1].word(w), sel);
+                const u32 x2 = __byte_perm(vlo[2].word(w), vlo[3].word(w), sel);
+                const u32 x3 = __byte_perm(vhi[2].word(w), vhi[3].word(w), sel);
+                const u32 a[4] = {e4m3x2_to_h2(x0), e4m3x2_to_h2(x1), e4m3x2_to_h2(x2), e4m3x2_to_h2(x3)};
+                mma16816<__half>(o[mt], a, pb0, pb1);
+                const u32 b[4] = {e4m3x2_to_h2(x0 >> 16), e4m3x2_to_h2(x1 >> 16), e4m3x2_to_h2(x2 >> 16),
+                                  e4m3x2_to_h2(x3 >> 16)};
+                mma16816<__half>(o[mt + 1], b, pb0, pb1);
+            }
+        }
+    }
+    if (!live) return;
+    // the quad's parts of the sum; head h = 2t + (e & 1)'s max and sum from lane 4h (row gr = h)
+    lr += __shfl_xor_sync(FULL_MASK, lr, 1);
+    lr += __shfl_xor_sync(FULL_MASK, lr, 2);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int h = 2 * t + e;
+        const float m = __shfl_sync(FULL_MASK, mr, 4 * h);
+        const float l = __shfl_sync(FULL_MASK, lr, 4 * h);
+        if (h >= ng) continue;
+        const i64 hrow = (i64)seq * num_heads + head0 + h;
+        if (direct) {
+            const float f = l > 0.f ? v_scale / l : 0.f;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                out[hrow * D + gr * MT + mt] = Cvt<T>::from(o[mt][e] * f);
+                out[hrow * D + (gr + 8) * MT + mt] = Cvt<T>::from(o[mt][2 + e] * f);
+            }
+        } else {
+            float* po = part_out + (hrow * Z + split) * D;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                po[gr * MT + mt] = o[mt][e] * v_scale;
+                po[(gr + 8) * MT + mt] = o[mt][2 + e] * v_scale;
+            }
+            if (gr == 0) {
+                part_m[hrow * Z + split] = m;
+                part_l[hrow * Z + split] = l;
+            }
+        }
+    }
 }

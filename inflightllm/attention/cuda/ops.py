@@ -29,7 +29,8 @@ DECODE_MAXG = (
 )  # query heads per decode block (a GQA group is split into chunks of these)
 HEAD_DIMS = (64, 128)
 DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2", "v4": "paged_decode_v4"}  # docs/CUDA-KERNELS.md
-DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce", "v4": "decode_reduce", "v5": "decode_reduce"}
+DECODE_REDUCE_KERNELS = {"v1": "decode_reduce_v1", "v2": "decode_reduce", "v4": "decode_reduce", "v5": "decode_reduce",
+                         "v6": "decode_reduce"}
 # paged_decode_v4: tiles in its shared-memory ring (loads in flight: STAGES - 1 tiles ahead of
 # the one scored). INFLIGHTLLM_DECODE_STAGES overrides it (benchmarks): 2, 3 or 4.
 DECODE_STAGES = 3
@@ -49,7 +50,7 @@ _RESHAPE_VT = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 # FP8 KV cache (kv_cache_dtype "fp8"): the cache's element type in kernels.cu (e4m3 bytes), the
 # decode kernels that read it (v1 does not) and the elements reshape_and_cache_fp8 takes a thread.
 FP8_CTYPE = "fp8e4m3"
-FP8_DECODE_KERNELS = ("v2", "v4", "v5")
+FP8_DECODE_KERNELS = ("v2", "v4", "v5", "v6")
 # paged_decode_v5 (an FP8 cache, 16-bit queries, tensor cores): query heads a block (larger GQA
 # groups take several blocks) and resident blocks a SM (its __launch_bounds__ minimum).
 DECODE_V5_HEADS = 8
@@ -66,6 +67,25 @@ DECODE_V5_KV_HEADS = 4
 # INFLIGHTLLM_DECODE_MIN_SPLIT override them (benchmarks).
 DECODE_V5_SPLIT_COST = 0.10
 DECODE_V5_MIN_SPLIT_TOKENS = 256
+# paged_decode_v6 (kernels.cu: V6_WARPS, V6_STAGES): threads a block (a warp a kv head, every
+# kv head of the model in one block: at most 8), pages of the ring, the most dynamic shared
+# memory a block may take (Hopper: 227 KiB) and the resident blocks its registers allow.
+DECODE_V6_THREADS = 256
+DECODE_V6_MAX_KV_HEADS = 8
+DECODE_V6_STAGES = 3
+DECODE_V6_MAX_SMEM = 227 * 1024
+DECODE_V6_MAX_BLOCKS_PER_SM = 2
+
+
+def decode_v6_smem(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """paged_decode_v6's dynamic shared memory: DECODE_V6_STAGES pages of K and of V (FP8)."""
+    return DECODE_V6_STAGES * 2 * block_size * num_kv_heads * head_dim
+
+
+def decode_v6_blocks_per_sm(smem: int, sm_smem: int = 228 * 1024) -> int:
+    """paged_decode_v6's resident blocks a SM: as many as its ring lets a SM's shared memory hold
+    (1 KiB a block reserved), at most DECODE_V6_MAX_BLOCKS_PER_SM (its register budget)."""
+    return max(1, min(DECODE_V6_MAX_BLOCKS_PER_SM, sm_smem // (smem + 1024)))
 DECODE_V5_KV_HEAD_CHOICES = (1, 2, 4)
 
 
@@ -94,6 +114,10 @@ def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache
     cache = f",{cache_ctype}" if cache_ctype and cache_ctype != ctype else ""
     if cache and variant not in FP8_DECODE_KERNELS:
         raise ValueError(f"decode kernel {variant!r} does not read an FP8 cache (those that do: {FP8_DECODE_KERNELS})")
+    if variant == "v6":
+        if not cache or ctype == "float":
+            raise ValueError("decode kernel 'v6' reads only an FP8 cache, with fp16 / bf16 queries")
+        return f"paged_decode_v6<{ctype},{head_dim}{cache}>"  # 8 query heads a warp, whatever maxg
     if variant == "v5":
         if not cache or ctype == "float":
             raise ValueError("decode kernel 'v5' reads only an FP8 cache, with fp16 / bf16 queries")
@@ -140,21 +164,25 @@ class _Functions:
         self.module = _raw_module(names)
         self.device = device
         self._cache: dict[str, object] = {}
+        self._smem: dict[str, int] = {}
 
     def __getitem__(self, name: str):
         return self.get(name)
 
     def get(self, name: str, dynamic_smem: int = 0):
         """The kernel `name`; one that launches with dynamic shared memory gets the attribute
-        that allows `dynamic_smem` bytes of it (needed above 48 KiB in all), once."""
+        that allows `dynamic_smem` bytes of it (needed above 48 KiB in all), raised when a later
+        launch needs more (paged_decode_v6's ring depends on the cache's block size)."""
         fn = self._cache.get(name)
-        if fn is None:
+        if fn is None or dynamic_smem > self._smem.get(name, 0):
             import cupy
 
             with cupy.cuda.Device(self.device):
-                fn = self.module.get_function(name)
+                if fn is None:
+                    fn = self.module.get_function(name)
                 if dynamic_smem:  # static + dynamic above 48 KiB needs the opt-in
                     fn.max_dynamic_shared_size_bytes = dynamic_smem
+                    self._smem[name] = dynamic_smem
             self._cache[name] = fn
         return fn
 
@@ -209,6 +237,7 @@ def fp8_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions
     ]
     if dtype != torch.float32:
         names += [decode_kernel_name("v5", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE, hw) for hw in DECODE_V5_KV_HEAD_CHOICES]
+        names.append(decode_kernel_name("v6", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE))
     names += [f"reshape_and_cache_fp8<{t},{n}>" for n in _FP8_RESHAPE_N]
     names.append(f"gather_kv_fp8<{t}>")
     return _Functions(tuple(names), device)
@@ -276,7 +305,7 @@ def _i64(x: int) -> np.int64:
 def decode_group_split(group: int, variant: str | None = None) -> tuple[int, int]:
     """(MAXG, blocks per kv head) for a GQA group of `group` query heads (variant "v5": its
     DECODE_V5_HEADS a block)."""
-    if variant == "v5":
+    if variant in ("v5", "v6"):
         return DECODE_V5_HEADS, -(-group // DECODE_V5_HEADS)
     for maxg in DECODE_MAXG:
         if group <= maxg:
@@ -369,12 +398,16 @@ def decode_blocks_per_sm(maxg: int, variant: str | None = None) -> int:
     return 3 if maxg >= 8 else 4
 
 
-def _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads=1):
+def _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads=1, v6_smem=0):
     """The flash-decoding kernel of `variant` for `maxg` query heads a block, with its dynamic
     shared memory, the query scale in log2 units and the output's value scale: the kernel
     reading the query's dtype, or, with `kv_scales` (an FP8 cache), the FP8 one, k_scale
-    folded into the query scale and v_scale into the output."""
+    folded into the query scale and v_scale into the output (v6: its ring's `v6_smem` bytes)."""
     scale_log2 = scale * np.log2(np.e)
+    if variant == "v6":
+        name = decode_kernel_name(variant, CTYPE[query.dtype], head_dim, maxg, FP8_CTYPE)
+        fn = fp8_module(query.dtype, head_dim, query.device.index).get(name, v6_smem)
+        return fn, v6_smem, scale_log2 * kv_scales[0], kv_scales[1]
     if kv_scales is None:
         smem = decode_dynamic_smem(variant, maxg)
         fn = dtype_module(query.dtype, head_dim, query.device.index).get(
@@ -406,20 +439,26 @@ def paged_decode(
     min_split=DECODE_MIN_SPLIT_TOKENS,
     kv_scales=None,
     kv_heads=1,
+    block_size=0,
 ) -> None:
     """Decode attention for tokens/sequences 0..num_decodes-1 into out[:num_decodes].
-    kv_heads: v5's kv heads a block (v5_kv_heads).
+    kv_heads: v5's kv heads a block (v5_kv_heads); block_size: the cache's (v6's pages).
 
     num_splits (Z) must depend only on host ints fixed for a CUDA-graph bucket. With v2 a
     context of n tokens uses only ceil(n / per) of them, per = max(ceil(n / Z) rounded up to
     32, min_split) (kernels.cu, decode_split_tokens), and its decode_reduce merges only those.
-    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache (v2, v4, v5), else None: k_scale
+    kv_scales: (k_scale, v_scale) of an FP8 (uint8) cache (v2, v4, v5, v6), else None: k_scale
     goes into the query's scale, v_scale into the kernel's output."""
     group = num_heads // num_kv_heads
     maxg, per_kv = decode_group_split(group, variant)
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
-    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads)
+    v6_smem = decode_v6_smem(block_size, num_kv_heads, head_dim) if variant == "v6" else 0
+    if variant == "v6" and (num_kv_heads > DECODE_V6_MAX_KV_HEADS or v6_smem > DECODE_V6_MAX_SMEM):
+        raise ValueError(f"decode kernel 'v6': {num_kv_heads} kv heads of {head_dim} in blocks of {block_size} tokens "
+                         f"(at most {DECODE_V6_MAX_KV_HEADS} kv heads and {DECODE_V6_MAX_SMEM} bytes of ring)")
+    fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads,
+                                                     v6_smem)
     if num_splits > 1:
         part_out = torch.empty(
             (num_decodes, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device
@@ -454,8 +493,11 @@ def paged_decode(
     if variant != "v1":
         args += (_i32(min_split), np.float32(v_scale))
     device = query.device.index
-    blocks_x = decode_grid_x(num_kv_heads, per_kv, kv_heads if variant == "v5" else 1)
-    _launch(fn, (blocks_x, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
+    if variant == "v6":  # every kv head in one block: grid x is the head groups of 8
+        _launch(fn, (per_kv, num_decodes, num_splits), DECODE_V6_THREADS, args, stream, device, smem)
+    else:
+        blocks_x = decode_grid_x(num_kv_heads, per_kv, kv_heads if variant == "v5" else 1)
+        _launch(fn, (blocks_x, num_decodes, num_splits), DECODE_THREADS, args, stream, device, smem)
     if num_splits > 1:
         red = mod[f"{DECODE_REDUCE_KERNELS[variant]}<{CTYPE[query.dtype]},{head_dim}>"]
         args = (_p(part_out), _p(pm), _p(pl), _p(out), _i32(num_heads), _i32(num_splits))
