@@ -178,3 +178,22 @@ def test_gpu_runner_block_bytes_halve_with_fp8():
         for kv in ("auto", "fp8")
     }
     assert sizes == {"auto": 2 * 30 * 16 * 3 * 64 * 2, "fp8": 2 * 30 * 16 * 3 * 64}
+
+
+def test_v6_ring_pages_from_the_environment(monkeypatch):
+    """INFLIGHTLLM_DECODE_V6_STAGES sizes paged_decode_v6's ring (and so its resident blocks)."""
+    try:
+        for text, pages, blocks in (("2", 2, 2), ("4", 4, 1)):
+            monkeypatch.setenv("INFLIGHTLLM_DECODE_V6_STAGES", text)
+            ops.decode_v6_stages.cache_clear()
+            assert ops.decode_v6_stages() == pages
+            assert ops.decode_v6_smem(16, 8, 128) == pages * 2 * 16 * 8 * 128
+            assert ops.decode_v6_blocks_per_sm(ops.decode_v6_smem(16, 8, 128)) == blocks
+        monkeypatch.setenv("INFLIGHTLLM_DECODE_V6_STAGES", "5")
+        ops.decode_v6_stages.cache_clear()
+        with pytest.raises(ValueError, match=r"INFLIGHTLLM_DECODE_V6_STAGES='5': 2, 3 or 4"):
+            ops.decode_v6_stages()
+    finally:
+        monkeypatch.delenv("INFLIGHTLLM_DECODE_V6_STAGES", raising=False)
+        ops.decode_v6_stages.cache_clear()
+    assert ops.decode_v6_stages() == ops.DECODE_V6_STAGES == 3

@@ -77,9 +77,22 @@ DECODE_V6_MAX_SMEM = 227 * 1024
 DECODE_V6_MAX_BLOCKS_PER_SM = 2
 
 
+@functools.cache
+def decode_v6_stages() -> int:
+    """Pages in paged_decode_v6's ring (kernels.cu V6_STAGES): DECODE_V6_STAGES, or
+    INFLIGHTLLM_DECODE_V6_STAGES (benchmarks): 2, 3 or 4."""
+    text = os.environ.get("INFLIGHTLLM_DECODE_V6_STAGES", "").strip()
+    if not text:
+        return DECODE_V6_STAGES
+    if text not in ("2", "3", "4"):
+        raise ValueError(f"INFLIGHTLLM_DECODE_V6_STAGES={text!r}: 2, 3 or 4 (pages in paged_decode_v6's ring)")
+    return int(text)
+
+
 def decode_v6_smem(block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """paged_decode_v6's dynamic shared memory: DECODE_V6_STAGES pages of K and of V (FP8)."""
-    return DECODE_V6_STAGES * 2 * block_size * num_kv_heads * head_dim
+    """paged_decode_v6's dynamic shared memory: its ring's pages (decode_v6_stages) of K and of
+    V (FP8)."""
+    return decode_v6_stages() * 2 * block_size * num_kv_heads * head_dim
 
 
 def decode_v6_blocks_per_sm(smem: int, sm_smem: int = 228 * 1024) -> int:
@@ -149,10 +162,10 @@ def _source() -> str:
     return with_pdl(KERNEL_SOURCE.read_text())
 
 
-def _raw_module(names: tuple[str, ...]):
+def _raw_module(names: tuple[str, ...], options: tuple[str, ...] = ()):
     import cupy
 
-    return cupy.RawModule(code=_source(), options=COMPILE_OPTIONS, name_expressions=names)
+    return cupy.RawModule(code=_source(), options=(*COMPILE_OPTIONS, *options), name_expressions=names)
 
 
 class _Functions:
@@ -160,8 +173,8 @@ class _Functions:
     is loaded on the device current at its first use, so each GPU of the process has its own
     (two engines on two GPUs in one process)."""
 
-    def __init__(self, names: tuple[str, ...], device: int):
-        self.module = _raw_module(names)
+    def __init__(self, names: tuple[str, ...], device: int, options: tuple[str, ...] = ()):
+        self.module = _raw_module(names, options)
         self.device = device
         self._cache: dict[str, object] = {}
         self._smem: dict[str, int] = {}
@@ -240,7 +253,7 @@ def fp8_module(dtype: torch.dtype, head_dim: int, device: int = 0) -> _Functions
         names.append(decode_kernel_name("v6", t, head_dim, DECODE_V5_HEADS, FP8_CTYPE))
     names += [f"reshape_and_cache_fp8<{t},{n}>" for n in _FP8_RESHAPE_N]
     names.append(f"gather_kv_fp8<{t}>")
-    return _Functions(tuple(names), device)
+    return _Functions(tuple(names), device, (f"-DV6_STAGES={decode_v6_stages()}",))
 
 
 def fp8_slice_bytes(dtype: torch.dtype) -> int:
