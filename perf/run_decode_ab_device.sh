@@ -2,7 +2,7 @@
 # One device command: compile-time variants of the decode attention kernels side by side
 # (perf/bench_decode_attention.py, each variant in its own process, rounds alternated), then the
 # FP8 KV cache's kernel tests (not the engine ones, which need the bundle) under each variant of
-# TEST_VARIANTS and, with NCU=1, Nsight Compute on one paged_decode_v5 launch of the first and
+# TEST_VARIANTS and, with NCU=1, Nsight Compute on one paged_decode_v5 or v6 launch of the first and
 # last variants. Needs only the host's python3 (torch, CuPy, pytest): no bundle.
 #
 #   OUT=$OUT VARIANTS="- INFLIGHTLLM_DECODE_V5_KV_HEADS=1" bash perf/run_decode_ab_device.sh
@@ -44,7 +44,7 @@ done
 if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
   for variant in "${LIST[0]}" "${LIST[${#LIST[@]}-1]}"; do
     # shellcheck disable=SC2046
-    env $(settings "$variant") timeout 150 ncu --clock-control none -k regex:paged_decode_v5 -s 3 -c 1 \
+    env $(settings "$variant") timeout 150 ncu --clock-control none -k regex:paged_decode_v[56] -s 3 -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       "$PY" -m perf.bench_decode_attention --cases 256x2048 --repeats 4 > "$OUT/ncu-$(safe "$variant").txt" 2>&1 || STATUS=1
