@@ -1705,6 +1705,81 @@ template <> struct RowBytes<4> {
     __device__ __forceinline__ void zero() { v = 0u; }
 };
 
+// The pieces paged_decode_v5 and v6 share. dm_query: the A fragments of Q for row gr (rows
+// 8..15 zero): k index 2t + e <-> d = t KB + 4s + e and 2t + 8 + e <-> d = t KB + 4s + 2 + e (the
+// K B fragments use the same map), scaled (scale_log2) and in f16; qp: the lane's first element
+// (null: a zero row).
+template <typename T, int KB>
+__device__ __forceinline__ void dm_query(u32 (&qa)[KB / 4][4], const T* qp, float scale_log2) {
+    float f[KB];
+    if (qp != nullptr) {
+#pragma unroll
+        for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < KB; ++i) f[i] = 0.f;
+    }
+#pragma unroll
+    for (int s = 0; s < KB / 4; ++s) {
+        qa[s][0] = pack2<__half>(f[4 * s] * scale_log2, f[4 * s + 1] * scale_log2);
+        qa[s][2] = pack2<__half>(f[4 * s + 2] * scale_log2, f[4 * s + 3] * scale_log2);
+        qa[s][1] = qa[s][3] = 0u;
+    }
+}
+
+// The online softmax over a tile's scores sc[j][0..1] (head gr, masked keys already -inf; at
+// least one key of the tile live): the running max mr and this lane's sum lr updated, sc
+// replaced by its weights, O^T's columns (heads 2t, 2t + 1) rescaled.
+template <int NT, int MT>
+__device__ __forceinline__ void dm_softmax(float (&sc)[NT][4], float& mr, float& lr, float (&o)[MT][4], int t) {
+    float tm = neg_inf();
+#pragma unroll
+    for (int j = 0; j < NT; ++j) tm = fmaxf(tm, fmaxf(sc[j][0], sc[j][1]));
+    tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 1));
+    tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 2));
+    const float mn = fmaxf(mr, tm);  // finite: a key of the tile is live
+    const float alpha = exp2f(mr - mn);
+    mr = mn;
+    lr *= alpha;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            sc[j][e] = exp2f(sc[j][e] - mn);
+            lr += sc[j][e];
+        }
+    // O^T's columns are heads 2t, 2t + 1: their rescale comes from the lanes of those rows
+    const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(FULL_MASK, alpha, 8 * t + 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= a0; o[mt][1] *= a1;
+        o[mt][2] *= a0; o[mt][3] *= a1;
+    }
+}
+
+// O^T += V^T P^T over 16 keys: P^T's B fragment is S's accumulator (sc0, sc1: the two n-tiles);
+// lo[e] / hi[e]: the lane's value bytes gr MT.. / (gr + 8) MT.. of keys 2t + {0, 1, 8, 9} (e)
+template <int MT, typename VR>
+__device__ __forceinline__ void dm_pv(float (&o)[MT][4], const float* sc0, const float* sc1, const VR* lo,
+                                      const VR* hi) {
+    const u32 pb0 = pack2<__half>(sc0[0], sc0[1]);
+    const u32 pb1 = pack2<__half>(sc1[0], sc1[1]);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt += 2) {
+        const int w = mt >> 2;
+        const u32 sel = (mt & 2) ? 0x7362u : 0x5140u;  // byte b of two keys, then byte b + 1
+        const u32 x0 = __byte_perm(lo[0].word(w), lo[1].word(w), sel);  // rows gr, keys 2t, 2t + 1
+        const u32 x1 = __byte_perm(hi[0].word(w), hi[1].word(w), sel);  // rows gr + 8
+        const u32 x2 = __byte_perm(lo[2].word(w), lo[3].word(w), sel);  // rows gr, keys + 8
+        const u32 x3 = __byte_perm(hi[2].word(w), hi[3].word(w), sel);
+        const u32 a[4] = {e4m3x2_to_h2(x0), e4m3x2_to_h2(x1), e4m3x2_to_h2(x2), e4m3x2_to_h2(x3)};
+        mma16816<__half>(o[mt], a, pb0, pb1);
+        const u32 b[4] = {e4m3x2_to_h2(x0 >> 16), e4m3x2_to_h2(x1 >> 16), e4m3x2_to_h2(x2 >> 16),
+                          e4m3x2_to_h2(x3 >> 16)};
+        mma16816<__half>(o[mt + 1], b, pb0, pb1);
+    }
+}
+
 template <typename T, int D, int HW, typename CT = fp8e4m3>
 __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_PARAMS) {
     pdl_trigger();
@@ -1768,23 +1843,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
     // A fragments of Q (row gr; rows 8..15 zero): k index 2t + e <-> d = t KB + 4s + e and
     // 2t + 8 + e <-> d = t KB + 4s + 2 + e (K's B fragments below use the same map)
     u32 qa[KS][4];
-    {
-        float f[KB];
-        if (gr < ng && live) {
-            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB;
-#pragma unroll
-            for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
-        } else {
-#pragma unroll
-            for (int i = 0; i < KB; ++i) f[i] = 0.f;
-        }
-#pragma unroll
-        for (int s = 0; s < KS; ++s) {
-            qa[s][0] = pack2<__half>(f[4 * s] * scale_log2, f[4 * s + 1] * scale_log2);
-            qa[s][2] = pack2<__half>(f[4 * s + 2] * scale_log2, f[4 * s + 3] * scale_log2);
-            qa[s][1] = qa[s][3] = 0u;
-        }
-    }
+    dm_query<T, KB>(qa, (gr < ng && live) ? q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB : nullptr,
+                    scale_log2);
 
     // O^T: o[mt][e] row d = gr MT + mt (e = 0, 1) or (gr + 8) MT + mt (e = 2, 3), column (head) 2t + (e & 1)
     float o[MT][4];
@@ -1844,54 +1904,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
             }
         }
         if (kn < r1) load_k(bte, kn);
-        float tm = neg_inf();  // keys past the split: -inf; the row's max over the quad
+        // keys past the split: -inf
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
+            for (int e = 0; e < 2; ++e)
                 if (k0 + 8 * j + 2 * t + e >= r1) sc[j][e] = neg_inf();
-                tm = fmaxf(tm, sc[j][e]);
-            }
-        tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 1));
-        tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 2));
-        const float mn = fmaxf(mr, tm);  // finite: key k0 is in the split
-        const float alpha = exp2f(mr - mn);
-        mr = mn;
-        lr *= alpha;
+        dm_softmax<NT, MT>(sc, mr, lr, o, t);  // key k0 is in the split
+        // O^T += V^T P^T over keys 16 s2 .. 16 s2 + 15
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                sc[j][e] = exp2f(sc[j][e] - mn);
-                lr += sc[j][e];
-            }
-        // O^T's columns are heads 2t, 2t + 1: their rescale comes from the lanes of those rows
-        const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(FULL_MASK, alpha, 8 * t + 4);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            o[mt][0] *= a0; o[mt][1] *= a1;
-            o[mt][2] *= a0; o[mt][3] *= a1;
-        }
-        // O^T += V^T P^T over keys 16 s2 .. 16 s2 + 15: P^T's B fragment is S's accumulator
-#pragma unroll
-        for (int s2 = 0; s2 < NT / 2; ++s2) {
-            const u32 pb0 = pack2<__half>(sc[2 * s2][0], sc[2 * s2][1]);
-            const u32 pb1 = pack2<__half>(sc[2 * s2 + 1][0], sc[2 * s2 + 1][1]);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt += 2) {
-                const int w = mt >> 2;
-                const u32 sel = (mt & 2) ? 0x7362u : 0x5140u;  // byte b of two keys, then byte b + 1
-                const u32 x0 = __byte_perm(vlo[s2][0].word(w), vlo[s2][1].word(w), sel);  // rows gr, keys 2t, 2t + 1
-                const u32 x1 = __byte_perm(vhi[s2][0].word(w), vhi[s2][1].word(w), sel);  // rows gr + 8
-                const u32 x2 = __byte_perm(vlo[s2][2].word(w), vlo[s2][3].word(w), sel);  // rows gr, keys + 8
-                const u32 x3 = __byte_perm(vhi[s2][2].word(w), vhi[s2][3].word(w), sel);
-                const u32 a[4] = {e4m3x2_to_h2(x0), e4m3x2_to_h2(x1), e4m3x2_to_h2(x2), e4m3x2_to_h2(x3)};
-                mma16816<__half>(o[mt], a, pb0, pb1);
-                const u32 b[4] = {e4m3x2_to_h2(x0 >> 16), e4m3x2_to_h2(x1 >> 16), e4m3x2_to_h2(x2 >> 16),
-                                  e4m3x2_to_h2(x3 >> 16)};
-                mma16816<__half>(o[mt + 1], b, pb0, pb1);
-            }
-        }
+        for (int s2 = 0; s2 < NT / 2; ++s2) dm_pv<MT>(o, sc[2 * s2], sc[2 * s2 + 1], vlo[s2], vhi[s2]);
         if (kn < r1) load_v(bte, kn);
         bte = bt_entry(kn + STRIDE);
     }
@@ -2047,23 +2069,8 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
 
     // A fragments of Q (row gr; rows 8..15 zero), as v5
     u32 qa[KS][4];
-    {
-        float f[KB];
-        if (gr < ng && live) {
-            const T* qp = q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB;
-#pragma unroll
-            for (int i = 0; i < KB; i += 8) load8<T>(qp + i, f + i);
-        } else {
-#pragma unroll
-            for (int i = 0; i < KB; ++i) f[i] = 0.f;
-        }
-#pragma unroll
-        for (int s = 0; s < KS; ++s) {
-            qa[s][0] = pack2<__half>(f[4 * s] * scale_log2, f[4 * s + 1] * scale_log2);
-            qa[s][2] = pack2<__half>(f[4 * s + 2] * scale_log2, f[4 * s + 3] * scale_log2);
-            qa[s][1] = qa[s][3] = 0u;
-        }
-    }
+    dm_query<T, KB>(qa, (gr < ng && live) ? q + (i64)seq * q_stok + (i64)(head0 + gr) * q_shead + t * KB : nullptr,
+                    scale_log2);
     float o[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
@@ -2101,34 +2108,14 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
                     mma16816<__half>(sc[j], qa[st], e4m3x2_to_h2(w), e4m3x2_to_h2(w >> 16));
                 }
             }
-            float tm = neg_inf();
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kb + 8 * j + 2 * t + e;
                     if (key < r0 || key >= r1) sc[j][e] = neg_inf();
-                    tm = fmaxf(tm, sc[j][e]);
                 }
-            tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 1));
-            tm = fmaxf(tm, __shfl_xor_sync(FULL_MASK, tm, 2));
-            const float mn = fmaxf(mr, tm);  // finite: a key of the sub-tile is in the split
-            const float alpha = exp2f(mr - mn);
-            mr = mn;
-            lr *= alpha;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    sc[j][e] = exp2f(sc[j][e] - mn);
-                    lr += sc[j][e];
-                }
-            const float a0 = __shfl_sync(FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(FULL_MASK, alpha, 8 * t + 4);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                o[mt][0] *= a0; o[mt][1] *= a1;
-                o[mt][2] *= a0; o[mt][3] *= a1;
-            }
+            dm_softmax<2, MT>(sc, mr, lr, o, t);  // a key of the sub-tile is in the split
             // V rows kb + 2t + {0, 1, 8, 9} (e), bytes gr MT.. and (gr + 8) MT..; zero outside the split
             RowBytes<MT> vlo[4], vhi[4];
 #pragma unroll
@@ -2143,22 +2130,7 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
                     vhi[e].zero();
                 }
             }
-            const u32 pb0 = pack2<__half>(sc[0][0], sc[0][1]);
-            const u32 pb1 = pack2<__half>(sc[1][0], sc[1][1]);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt += 2) {
-                const int w = mt >> 2;
-                const u32 sel = (mt & 2) ? 0x7362u : 0x5140u;
-                const u32 x0 = __byte_perm(vlo[0].word(w), vlo[1].word(w), sel);
-                const u32 x1 = __byte_perm(vhi[0].word(w), vhi[1].word(w), sel);
-                const u32 x2 = __byte_perm(vlo[2].word(w), vlo[3].word(w), sel);
-                const u32 x3 = __byte_perm(vhi[2].word(w), vhi[3].word(w), sel);
-                const u32 a[4] = {e4m3x2_to_h2(x0), e4m3x2_to_h2(x1), e4m3x2_to_h2(x2), e4m3x2_to_h2(x3)};
-                mma16816<__half>(o[mt], a, pb0, pb1);
-                const u32 b[4] = {e4m3x2_to_h2(x0 >> 16), e4m3x2_to_h2(x1 >> 16), e4m3x2_to_h2(x2 >> 16),
-                                  e4m3x2_to_h2(x3 >> 16)};
-                mma16816<__half>(o[mt + 1], b, pb0, pb1);
-            }
+            dm_pv<MT>(o, sc[0], sc[1], vlo, vhi);
         }
     }
     if (!live) return;
