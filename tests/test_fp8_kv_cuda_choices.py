@@ -197,3 +197,16 @@ def test_v6_ring_pages_from_the_environment(monkeypatch):
         monkeypatch.delenv("INFLIGHTLLM_DECODE_V6_STAGES", raising=False)
         ops.decode_v6_stages.cache_clear()
     assert ops.decode_v6_stages() == ops.DECODE_V6_STAGES == 3
+
+
+def test_v6_splits():
+    """paged_decode_v6's splits: one block a sequence (and head group of 8), 2 resident a SM at
+    block 16 (its 96 KiB ring), waves as full as can be (ops.wave_splits, 10 % a split), at most
+    one split a 128 tokens of max_model_len (the H100 measurement's choices: 1,024, 512 and 256
+    decodes unsplit, 32 in 8 splits, 1 in 64)."""
+    attention = CudaPagedAttention(32, 8, 128, max_model_len=8192, kv_cache_dtype="fp8")
+    attention._num_sms = 132
+    assert [attention.decode_splits(nd, variant="v6") for nd in (1, 8, 32, 256, 512, 1024)] == [64, 33, 8, 1, 1, 1]
+    attention.decode_impl = "v6"
+    attention.query_dtype = torch.bfloat16
+    assert attention.decode_kernel(32) == ("v6", 8)
