@@ -36,6 +36,28 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+def forward_graph(backend: CudaPagedAttention, metadata, batch: int, dtype: torch.dtype, dev: str = "cuda",
+                  warmups: int = 1):
+    """A CUDA graph of one `backend.forward` (layer 0) of `batch` decodes over `metadata`, after
+    `warmups` forwards on a side stream, with its static inputs: random `dtype` queries and new
+    K/V rows (drawn q, k, v in that order) and the output buffer. Returns (graph, q, k, v, out)."""
+    h, kvh, d = backend.num_heads, backend.num_kv_heads, backend.head_dim
+    q = torch.randn(batch, h, d, device=dev).to(dtype)
+    k = torch.randn(batch, kvh, d, device=dev).to(dtype)
+    v = torch.randn(batch, kvh, d, device=dev).to(dtype)
+    out = torch.empty(batch, h, d, dtype=dtype, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            backend.forward(0, q, k, v, metadata, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(0, q, k, v, metadata, out=out)
+    return graph, q, k, v, out
+
+
 def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_blocks: int, max_ctx: int,
                     repeats: int, dev: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[float]:
     """µs of each of `repeats` replays of one decode forward (cache write + decode + reduce) of
@@ -44,7 +66,7 @@ def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_block
     the output is not finite."""
     from perf.bench_overlap import replay_times_ms
 
-    d, h, kvh, bs = backend.head_dim, backend.num_heads, backend.num_kv_heads, backend.block_size
+    bs = backend.block_size
     gen = torch.Generator().manual_seed(batch)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     n = math.ceil(ctx / bs)
@@ -53,18 +75,7 @@ def decode_layer_us(backend: CudaPagedAttention, batch: int, ctx: int, num_block
     seqs = [SequenceSlice(i, 1, ctx, tuple(perm[i * n : (i + 1) * n])) for i in range(batch)]
     md = backend.build_metadata(seqs, dev)
     md.max_context_len = max_ctx
-    q = torch.randn(batch, h, d, device=dev).to(dtype)
-    k = torch.randn(batch, kvh, d, device=dev).to(dtype)
-    v = torch.randn(batch, kvh, d, device=dev).to(dtype)
-    out = torch.empty(batch, h, d, dtype=dtype, device=dev)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backend.forward(0, q, k, v, md, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(0, q, k, v, md, out=out)
+    graph, _, _, _, out = forward_graph(backend, md, batch, dtype, dev)
     samples = [ms * 1e3 for ms in replay_times_ms(graph, repeats)]
     if not torch.isfinite(out).all():
         raise RuntimeError(f"{batch}x{ctx}: the output has non-finite values")

@@ -26,6 +26,7 @@ from inflightllm.attention.base import SequenceSlice
 from inflightllm.attention.cuda import CudaAttentionMetadata, CudaPagedAttention, ops
 from inflightllm.attention.torch_ref import TorchReferenceAttention
 from inflightllm.quantization.fp8 import quantize_with_scale
+from perf.bench_decode_attention import forward_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -419,19 +420,7 @@ def test_cuda_graph_decode():
         slot_mapping=md_a.slot_mapping.clone(), positions=md_a.positions.clone(), block_tables=table_a,
         context_lens=md_a.context_lens.clone(), query_start_loc=md_a.query_start_loc.clone(),
     )
-    q = torch.randn(nd, h, d, device=DEV).to(dtype)
-    k = torch.randn(nd, kvh, d, device=DEV).to(dtype)
-    v = torch.randn(nd, kvh, d, device=DEV).to(dtype)
-    out = torch.empty(nd, h, d, dtype=dtype, device=DEV)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            backend.forward(0, q, k, v, static, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(0, q, k, v, static, out=out)
+    graph, q, k, v, out = forward_graph(backend, static, nd, dtype, DEV, warmups=2)
 
     seqs_b, md_b, table_b = tables([4096, 3000, 1, 2500, 700, 4000, 129, 1024])
     static.block_tables.copy_(table_b)

@@ -639,14 +639,15 @@ class CudaPagedAttention(AttentionBackend):
         the count whose waves of blocks come closest to full (ops.wave_splits: its blocks of 4
         kv heads are few). Depends on host ints only (graph-safe)."""
         maxg, per_kv = ops.decode_group_split(group or self.num_heads // self.num_kv_heads, variant)
-        slots = ops.decode_blocks_per_sm(maxg, variant) * self._num_sms
         cap = min(ops.MAX_SPLITS, -(-self.max_model_len // 128))
-        kv_heads = self.v5_blocking(num_decodes) if variant == "v5" else 1
-        base = ops.decode_grid_x(self.num_kv_heads, per_kv, kv_heads) * max(1, num_decodes)
         if variant == "v6":  # a block a sequence's kv heads, resident blocks by its ring
             base = per_kv * max(1, num_decodes)
             smem = ops.decode_v6_smem(max(16, self.block_size), self.num_kv_heads, self.head_dim)
             slots = ops.decode_v6_blocks_per_sm(smem) * self._num_sms
+        else:
+            kv_heads = self.v5_blocking(num_decodes) if variant == "v5" else 1
+            base = ops.decode_grid_x(self.num_kv_heads, per_kv, kv_heads) * max(1, num_decodes)
+            slots = ops.decode_blocks_per_sm(maxg, variant) * self._num_sms
         if variant in ("v5", "v6"):
             if self.v5_splits is not None:
                 return min(self.v5_splits, cap)

@@ -67,6 +67,7 @@ DECODE_V5_KV_HEADS = 4
 # INFLIGHTLLM_DECODE_MIN_SPLIT override them (benchmarks).
 DECODE_V5_SPLIT_COST = 0.10
 DECODE_V5_MIN_SPLIT_TOKENS = 256
+DECODE_V5_KV_HEAD_CHOICES = (1, 2, 4)
 # paged_decode_v6 (kernels.cu: V6_WARPS, V6_STAGES): threads a block (a warp a kv head, every
 # kv head of the model in one block: at most 8), pages of the ring, the most dynamic shared
 # memory a block may take (Hopper: 227 KiB) and the resident blocks its registers allow.
@@ -77,16 +78,22 @@ DECODE_V6_MAX_SMEM = 227 * 1024
 DECODE_V6_MAX_BLOCKS_PER_SM = 2
 
 
+def _ring_stages(env: str, default: int, what: str) -> int:
+    """A decode kernel's ring size: `default`, or the environment variable `env` (benchmarks):
+    2, 3 or 4 (`what` names them in the refusal)."""
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return default
+    if text not in ("2", "3", "4"):
+        raise ValueError(f"{env}={text!r}: 2, 3 or 4 ({what})")
+    return int(text)
+
+
 @functools.cache
 def decode_v6_stages() -> int:
     """Pages in paged_decode_v6's ring (kernels.cu V6_STAGES): DECODE_V6_STAGES, or
     INFLIGHTLLM_DECODE_V6_STAGES (benchmarks): 2, 3 or 4."""
-    text = os.environ.get("INFLIGHTLLM_DECODE_V6_STAGES", "").strip()
-    if not text:
-        return DECODE_V6_STAGES
-    if text not in ("2", "3", "4"):
-        raise ValueError(f"INFLIGHTLLM_DECODE_V6_STAGES={text!r}: 2, 3 or 4 (pages in paged_decode_v6's ring)")
-    return int(text)
+    return _ring_stages("INFLIGHTLLM_DECODE_V6_STAGES", DECODE_V6_STAGES, "pages in paged_decode_v6's ring")
 
 
 def decode_v6_smem(block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -99,7 +106,6 @@ def decode_v6_blocks_per_sm(smem: int, sm_smem: int = 228 * 1024) -> int:
     """paged_decode_v6's resident blocks a SM: as many as its ring lets a SM's shared memory hold
     (1 KiB a block reserved), at most DECODE_V6_MAX_BLOCKS_PER_SM (its register budget)."""
     return max(1, min(DECODE_V6_MAX_BLOCKS_PER_SM, sm_smem // (smem + 1024)))
-DECODE_V5_KV_HEAD_CHOICES = (1, 2, 4)
 
 
 def v5_kv_heads(num_kv_heads: int, wanted: int = DECODE_V5_KV_HEADS) -> int:
@@ -112,12 +118,7 @@ _FP8_RESHAPE_N = (8, 1)
 
 @functools.cache
 def decode_stages() -> int:
-    text = os.environ.get("INFLIGHTLLM_DECODE_STAGES", "").strip()
-    if not text:
-        return DECODE_STAGES
-    if text not in ("2", "3", "4"):
-        raise ValueError(f"INFLIGHTLLM_DECODE_STAGES={text!r}: 2, 3 or 4 (tiles in paged_decode_v4's ring)")
-    return int(text)
+    return _ring_stages("INFLIGHTLLM_DECODE_STAGES", DECODE_STAGES, "tiles in paged_decode_v4's ring")
 
 
 def decode_kernel_name(variant: str, ctype: str, head_dim: int, maxg: int, cache_ctype: str | None = None,
