@@ -421,11 +421,10 @@ class CudaPagedAttention(AttentionBackend):
         if self.decode_impl in ("v5", "v6") and dtype == torch.float32:  # (before CuPy: a CPU-testable refusal)
             raise ValueError(f"INFLIGHTLLM_DECODE_IMPL={self.decode_impl!r} needs fp16 or bf16 queries (the model's "
                              "dtype is float32); allowed for float32: v2, v4, auto")
-        if self.decode_impl == "v6" and (num_kv_heads > ops.DECODE_V6_MAX_KV_HEADS
-                                         or ops.decode_v6_smem(block_size, num_kv_heads, head_dim) > ops.DECODE_V6_MAX_SMEM):
+        if self.decode_impl == "v6" and not ops.decode_v6_fits(num_kv_heads, block_size, head_dim):
             raise ValueError(f"INFLIGHTLLM_DECODE_IMPL='v6' takes every kv head of a sequence in one block: at most "
                              f"{ops.DECODE_V6_MAX_KV_HEADS} kv heads and a ring of {ops.DECODE_V6_MAX_SMEM} bytes "
-                             f"({ops.DECODE_V6_STAGES} x 2 pages of block_size x kv heads x head_dim); this cache: "
+                             f"({ops.decode_v6_stages()} x 2 pages of block_size x kv heads x head_dim); this cache: "
                              f"{num_kv_heads} kv heads, head_dim {head_dim}, block_size {block_size}; allowed: v5, auto")
         import cupy
 

@@ -102,6 +102,13 @@ def decode_v6_smem(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     return decode_v6_stages() * 2 * block_size * num_kv_heads * head_dim
 
 
+def decode_v6_fits(num_kv_heads: int, block_size: int, head_dim: int) -> bool:
+    """Whether paged_decode_v6 can serve a cache: every kv head in one block (at most
+    DECODE_V6_MAX_KV_HEADS) and its ring within a block's shared memory (DECODE_V6_MAX_SMEM)."""
+    return (num_kv_heads <= DECODE_V6_MAX_KV_HEADS
+            and decode_v6_smem(block_size, num_kv_heads, head_dim) <= DECODE_V6_MAX_SMEM)
+
+
 def decode_v6_blocks_per_sm(smem: int, sm_smem: int = 228 * 1024) -> int:
     """paged_decode_v6's resident blocks a SM: as many as its ring lets a SM's shared memory hold
     (1 KiB a block reserved), at most DECODE_V6_MAX_BLOCKS_PER_SM (its register budget)."""
@@ -468,7 +475,7 @@ def paged_decode(
     mod = dtype_module(query.dtype, head_dim, query.device.index)
     assert 1 <= num_splits <= MAX_SPLITS
     v6_smem = decode_v6_smem(block_size, num_kv_heads, head_dim) if variant == "v6" else 0
-    if variant == "v6" and (num_kv_heads > DECODE_V6_MAX_KV_HEADS or v6_smem > DECODE_V6_MAX_SMEM):
+    if variant == "v6" and not decode_v6_fits(num_kv_heads, block_size, head_dim):
         raise ValueError(f"decode kernel 'v6': {num_kv_heads} kv heads of {head_dim} in blocks of {block_size} tokens "
                          f"(at most {DECODE_V6_MAX_KV_HEADS} kv heads and {DECODE_V6_MAX_SMEM} bytes of ring)")
     fn, smem, scale_log2, v_scale = _decode_function(query, head_dim, variant, maxg, scale, kv_scales, kv_heads,
