@@ -200,10 +200,11 @@ def test_mixed_batch_bf16(head_dim, group, scales):
         case.backend.v5_kv_heads = kv_heads
         case.check(case.run("flash", decode="v5"), label + f" flash, decode v5 (tensor cores), {kv_heads} kv heads a block")
     case.backend.v5_kv_heads = None
-    case.backend.decode_impl = "auto"
-    assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v5"
-    case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v5)")
     case.check(case.run("flash", decode="v6"), label + " flash, decode v6 (pages by TMA)")
+    case.backend.decode_impl = "auto"
+    assert case.metadata.num_decodes >= ops.DECODE_V6_MIN_DECODES
+    assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v6"  # (an H100 / H200)
+    case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v6)")
 
 
 @pytest.mark.parametrize("group", [5, 12, 16])
@@ -235,17 +236,17 @@ def test_mixed_batch_other_dtypes(dtype):
 
 
 def test_many_decodes_unsplit():
-    """300 decodes: "auto" takes v5 with the splits ops.wave_splits gives; then the contexts
-    unsplit (the kernels' direct writes, no reduce), for v5 with 1, 2 and 4 kv heads a block (the
+    """300 decodes: "auto" takes v6 with the splits ops.wave_splits gives; then the contexts
+    unsplit (the kernels' direct writes, no reduce), for v5 with 1, 2 and 4 kv heads a block, v6 (the
     model has 2: spare warps), v4 and v2; v4 has v2's bits."""
     gen = torch.Generator().manual_seed(9)
     specs = [(1, int(c)) for c in torch.randint(1, 1500, (300,), generator=gen)]
     case = Fp8Case(specs, 8, 2, 64, 16, torch.bfloat16, (0.5, 0.5), seed=9)
     impl, splits = case.backend.decode_kernel(300)
-    assert impl == "v5" and splits >= 1
-    case.check(case.run(decode="auto"), f"fp8 300 decodes, decode auto (v5, {splits} splits)")
+    assert impl == "v6" and splits >= 1
+    case.check(case.run(decode="auto"), f"fp8 300 decodes, decode auto (v6, {splits} splits)")
     case.backend.decode_splits = lambda *args, **kwargs: 1  # unsplit from here on
-    assert case.backend.decode_kernel(300) == ("v5", 1)
+    assert case.backend.decode_kernel(300) == ("v6", 1)
     for kv_heads in (1, 2, 4):
         case.backend.v5_kv_heads = kv_heads
         case.check(case.run(decode="v5"), f"fp8 300 decodes unsplit, decode v5, {kv_heads} kv heads a block")

@@ -405,6 +405,7 @@ class CudaPagedAttention(AttentionBackend):
         self._bs_shift = 0
         self._cupy_array = None  # owns the cache memory
         self._num_sms = 132
+        self._v6_ok = False  # allocate_kv_cache: paged_decode_v6 fits this cache and GPU
         self._flash_error: str | None = None
         # Host KV tier (allocate_host_tier): pinned slots [num_host_blocks, layers, 2, block_size,
         # kvh, d] (one block's every layer contiguous), its copy stream and a device staging
@@ -467,6 +468,11 @@ class CudaPagedAttention(AttentionBackend):
         self.query_dtype = dtype
         self._bs_shift = block_size.bit_length() - 1
         self._num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+        # paged_decode_v6 for "auto": Hopper or later (cp.async.bulk), every kv head in a block
+        # and the ring within a block's shared memory
+        self._v6_ok = (self.fp8 and torch.cuda.get_device_capability(index) >= (9, 0)
+                       and num_kv_heads <= ops.DECODE_V6_MAX_KV_HEADS
+                       and ops.decode_v6_smem(block_size, num_kv_heads, head_dim) <= ops.DECODE_V6_MAX_SMEM)
 
     # ------------------------------------------------------------------ host KV tier
     def allocate_host_tier(self, num_host_blocks: int) -> int:
@@ -671,7 +677,7 @@ class CudaPagedAttention(AttentionBackend):
         contexts are not split, v2 where they are (DECODE_DEFAULT)."""
         impl = self.decode_impl
         if impl == "auto" and self.fp8 and self.query_dtype != torch.float32:
-            impl = "v5"
+            impl = "v6" if self._v6_ok and num_decodes >= ops.DECODE_V6_MIN_DECODES else "v5"
         if impl in ("v5", "v6"):
             return impl, self.decode_splits(num_decodes, variant=impl)
         splits = self.decode_splits(num_decodes)

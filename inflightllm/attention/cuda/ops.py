@@ -76,6 +76,11 @@ DECODE_V6_MAX_KV_HEADS = 8
 DECODE_V6_STAGES = 3
 DECODE_V6_MAX_SMEM = 227 * 1024
 DECODE_V6_MAX_BLOCKS_PER_SM = 2
+# "auto" takes v6 from this many decodes (fewer: v5's blocks of one kv head are more blocks in
+# flight). Measured on an H100 (perf/bench_decode_attention.py, 2026-12-06, µs a layer, v5 ->
+# v6): 1,024 x 192 205 -> 160, 512 x 1,152 481 -> 410, 256 x 2,048 427 -> 363 (Nsight Compute:
+# DRAM 91 % busy), 256 x 3,072 615 -> 528, 32 x 2,048 73 -> 66; 1 x 8,192 18 -> 29.
+DECODE_V6_MIN_DECODES = 8
 
 
 def _ring_stages(env: str, default: int, what: str) -> int:
