@@ -471,8 +471,7 @@ class CudaPagedAttention(AttentionBackend):
         # paged_decode_v6 for "auto": Hopper or later (cp.async.bulk), every kv head in a block
         # and the ring within a block's shared memory
         self._v6_ok = (self.fp8 and torch.cuda.get_device_capability(index) >= (9, 0)
-                       and num_kv_heads <= ops.DECODE_V6_MAX_KV_HEADS
-                       and ops.decode_v6_smem(block_size, num_kv_heads, head_dim) <= ops.DECODE_V6_MAX_SMEM)
+                       and ops.decode_v6_fits(num_kv_heads, block_size, head_dim))
 
     # ------------------------------------------------------------------ host KV tier
     def allocate_host_tier(self, num_host_blocks: int) -> int:
