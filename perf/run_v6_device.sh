@@ -17,7 +17,7 @@ install_bundle
 step gpu_tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -k "${TESTS_K:-not tp2}" tests/gpu/test_fp8_kv_cache.py
 for variant in v5 v6 v6-stages4; do
   case "$variant" in
-    v5) settings="" ;;
+    v5) settings="INFLIGHTLLM_DECODE_IMPL=v5" ;;
     v6) settings="INFLIGHTLLM_DECODE_IMPL=v6" ;;
     *) settings="INFLIGHTLLM_DECODE_IMPL=v6 INFLIGHTLLM_DECODE_V6_STAGES=4" ;;
   esac
@@ -28,7 +28,7 @@ done
 if [ -n "${ROWS:-}" ]; then
   for variant in v5 v6; do
     # shellcheck disable=SC2046
-    step "rows_$variant" 330 env $([ "$variant" = v6 ] && echo INFLIGHTLLM_DECODE_IMPL=v6) "$PY" -m perf.bench_rows \
+    step "rows_$variant" 330 env INFLIGHTLLM_DECODE_IMPL=$variant "$PY" -m perf.bench_rows \
       --profile profiles/llama3-8b-h200.yaml --variants fp8 --rows "$ROWS" --out "$OUT/rows_$variant.json"
   done
 fi
