@@ -6,6 +6,7 @@
 #
 #   OUT=$OUT bash perf/run_v6_device.sh                                  # carry build/bundle/part1
 #   OUT=$OUT ROWS=128/128x1024,2048/2048x256 bash perf/run_v6_device.sh
+#   OUT=$OUT ROWS=... ROW_VARIANTS="auto v5" ROWS_V5=128/2048x512 bash perf/run_v6_device.sh
 #
 # CASES (bench_decode_attention --cases), TESTS_K (pytest -k; default "not tp2").
 set -u
@@ -25,11 +26,14 @@ for variant in v5 v6 v6-stages4; do
   step "decode_$variant" 120 env $settings VARIANT="$variant" "$PY" -m perf.bench_decode_attention --cases "$CASES"
   grep '^{' "$OUT/decode_$variant.log" >> "$OUT/decode.jsonl"
 done
+# ROWS: bench rows (fp8 variant) for each of ROW_VARIANTS (auto: the engine's choice; default
+# "v5 v6"); ROWS_V5 (optional): other rows for v5.
 if [ -n "${ROWS:-}" ]; then
-  for variant in v5 v6; do
-    # shellcheck disable=SC2046
-    step "rows_$variant" 330 env INFLIGHTLLM_DECODE_IMPL=$variant "$PY" -m perf.bench_rows \
-      --profile profiles/llama3-8b-h200.yaml --variants fp8 --rows "$ROWS" --out "$OUT/rows_$variant.json"
+  for variant in ${ROW_VARIANTS:-v5 v6}; do
+    rows="$ROWS"
+    [ "$variant" = v5 ] && rows="${ROWS_V5:-$ROWS}"
+    step "rows_$variant" 330 env INFLIGHTLLM_DECODE_IMPL="$variant" "$PY" -m perf.bench_rows \
+      --profile profiles/llama3-8b-h200.yaml --variants fp8 --rows "$rows" --out "$OUT/rows_$variant.json"
   done
 fi
 cat "$SUMMARY"

@@ -201,10 +201,10 @@ def test_mixed_batch_bf16(head_dim, group, scales):
         case.check(case.run("flash", decode="v5"), label + f" flash, decode v5 (tensor cores), {kv_heads} kv heads a block")
     case.backend.v5_kv_heads = None
     case.check(case.run("flash", decode="v6"), label + " flash, decode v6 (pages by TMA)")
-    case.backend.decode_impl = "auto"
-    assert case.metadata.num_decodes >= ops.DECODE_V6_MIN_DECODES
-    assert case.backend.decode_kernel(case.metadata.num_decodes)[0] == "v6"  # (an H100 / H200)
-    case.check(case.run("flash", decode="auto"), label + " flash, decode auto (v6)")
+    case.backend.decode_impl = "auto"  # v5 below ops.DECODE_V6_MIN_DECODES decodes, v6 from it (an H100 / H200)
+    assert [case.backend.decode_kernel(n)[0] for n in (1, ops.DECODE_V6_MIN_DECODES - 1, ops.DECODE_V6_MIN_DECODES)] == ["v5", "v5", "v6"]
+    auto = case.backend.decode_kernel(case.metadata.num_decodes)[0]
+    case.check(case.run("flash", decode="auto"), label + f" flash, decode auto ({auto}, {case.metadata.num_decodes} decodes)")
 
 
 @pytest.mark.parametrize("group", [5, 12, 16])
@@ -653,9 +653,10 @@ def test_tp2_fp8_kv_follows_tp1():
 def test_fp8_decode_timings():
     """Decode step time (graph replay of one forward: cache write + decode + reduce) with an
     FP8 and a bf16 cache, Llama-3-8B attention shape (32 heads, 8 kv heads, d=128, block 16):
-    bf16 (auto: v4 / v2), FP8 on CUDA cores (v4 where unsplit, else v2) and FP8 on tensor cores
-    (auto: v5). The FP8 cache moves half the bytes: at a large batch, where decode is bound by
-    them, v5 must not be slower than bf16's. Printed, and written to $OUT/fp8-kv-timings.md
+    bf16 (auto: v4 / v2), FP8 on CUDA cores (v4 where unsplit, else v2), FP8 on tensor cores
+    (v5; v6, pages by TMA) and FP8 auto (v5 below 8 decodes, v6 from them). The FP8 cache moves
+    half the bytes: at a large batch, where decode is bound by them, auto must not be slower
+    than bf16's. Printed, and written to $OUT/fp8-kv-timings.md
     when set."""
     import os
     import statistics
@@ -666,14 +667,14 @@ def test_fp8_decode_timings():
     max_model_len = 8192
     num_blocks = 256 * 2048 // bs + 64
     rows, times = [], {}
-    cases = (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "v5 1 kv head"), ("fp8", "auto"),  # fp8 auto: v5, 4 kv heads
-             ("fp8", "v6"))
+    cases = (("auto", "auto"), ("fp8", "cuda-cores"), ("fp8", "v5 1 kv head"), ("fp8", "v5"),  # v5: 4 kv heads a block
+             ("fp8", "v6"), ("fp8", "auto"))  # fp8 auto: v5 at batch 1, v6 from 8 decodes
     for kind, decode in cases:
         backend = CudaPagedAttention(h, kvh, d, max_model_len=max_model_len, kv_cache_dtype=kind)
         if decode == "v5 1 kv head":
             backend.v5_kv_heads = 1
-        if decode == "v6":
-            backend.decode_impl = "v6"
+        if decode in ("v5 1 kv head", "v5", "v6"):
+            backend.decode_impl = decode[:2]
         backend.allocate_kv_cache(num_blocks, bs, 1, kvh, d, torch.bfloat16, DEV)
         if kind == "fp8":
             backend.kv_cache.copy_(quantize_with_scale(torch.randn(backend.kv_cache.shape, device=DEV), 1.0).view(torch.uint8))
@@ -695,5 +696,6 @@ def test_fp8_decode_timings():
     for batch in (1, 32, 256):
         bf16 = times[("auto", "auto", batch)]
         print(f"fp8 decode at {batch}: CUDA cores {times[('fp8', 'cuda-cores', batch)] / bf16:.2f}x bf16's time, "
-              f"v5 {times[('fp8', 'auto', batch)] / bf16:.2f}x")
-    assert times[("fp8", "auto", 256)] <= times[("auto", "auto", 256)], "v5 over FP8 slower than bf16 at 256 x 2048"
+              f"v5 {times[('fp8', 'v5', batch)] / bf16:.2f}x, v6 {times[('fp8', 'v6', batch)] / bf16:.2f}x, "
+              f"auto {times[('fp8', 'auto', batch)] / bf16:.2f}x")
+    assert times[("fp8", "auto", 256)] <= times[("auto", "auto", 256)], "auto over FP8 slower than bf16 at 256 x 2048"
