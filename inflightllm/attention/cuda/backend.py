@@ -42,7 +42,8 @@ PREFILL_DEFAULT = "flash"
 # "v4": v2 with its loads pipelined through shared memory by cp.async, the same bits;
 # "auto": v4 where the context is not split (a large batch: each block walks a whole context),
 # else v2, whose blocks then walk a tile or a few and which needs no large shared-memory carve-out
-# next to the small-batch kernels; with an FP8 cache and fp16 / bf16 queries, v5: tensor cores,
+# next to the small-batch kernels; with an FP8 cache and fp16 / bf16 queries, v5 (tensor cores)
+# below ops.DECODE_V6_MIN_DECODES decodes and v6 (pages by TMA, Hopper) from them where it fits,
 # docs/FP8-KV-CACHE.md). INFLIGHTLLM_DECODE_IMPL overrides it (benchmarks, debugging).
 DECODE_DEFAULT = "auto"
 DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "v6", "auto")
@@ -671,9 +672,10 @@ class CudaPagedAttention(AttentionBackend):
         return ops.v5_kv_heads(self.num_kv_heads)
 
     def decode_kernel(self, num_decodes: int) -> tuple[str, int]:
-        """(the decode kernel of ops.DECODE_KERNELS or v5, its split count) for `num_decodes`
-        decodes: with "auto", v5 for an FP8 cache read by fp16 / bf16 queries, else v4 where the
-        contexts are not split, v2 where they are (DECODE_DEFAULT)."""
+        """(the decode kernel of ops.DECODE_KERNELS, v5 or v6, its split count) for `num_decodes`
+        decodes: with "auto", for an FP8 cache read by fp16 / bf16 queries v6 from
+        ops.DECODE_V6_MIN_DECODES decodes where it fits (allocate_kv_cache), else v5; for other
+        caches v4 where the contexts are not split, v2 where they are (DECODE_DEFAULT)."""
         impl = self.decode_impl
         if impl == "auto" and self.fp8 and self.query_dtype != torch.float32:
             impl = "v6" if self._v6_ok and num_decodes >= ops.DECODE_V6_MIN_DECODES else "v5"
