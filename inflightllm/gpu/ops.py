@@ -58,6 +58,7 @@ def _module(device: int):
     names = [f"{kernel}<{ctype}>" for kernel in KERNELS for ctype in CUDA_TYPES.values()]
     names += [f"{kernel}<{ctype}>" for kernel in FP8_VEC_KERNELS for ctype in ("__half", "__nv_bfloat16")]
     names += [f"{kernel}<{ctype},{FP8_V2_NPT}>" for kernel in FP8_V2_KERNELS for ctype in ("__half", "__nv_bfloat16")]
+    names += [f"silu_and_mul_fp8_tma<{ctype}>" for ctype in ("__half", "__nv_bfloat16")]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_source(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -275,13 +276,53 @@ def add_rms_norm_fp8(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor |
                  np.int32(width)))
 
 
-def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor, vector: bool | None = None) -> None:
-    """q, scale = quantize_per_token(silu(gate_up[:, :width]) * gate_up[:, width:])."""
+# silu_and_mul_fp8_tma (Hopper): a row's gate and up halves in a block's shared memory
+SILU_TMA_THREADS = 256
+SILU_TMA_MAX_SHARED = 227 * 1024 - 1024
+
+
+@functools.cache
+def fp8_silu_tma() -> bool:
+    """Whether silu_and_mul_fp8 takes its TMA version on Hopper and later where the row fits
+    (INFLIGHTLLM_FP8_SILU_TMA, default 1)."""
+    text = os.environ.get("INFLIGHTLLM_FP8_SILU_TMA", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"INFLIGHTLLM_FP8_SILU_TMA={text!r}: 0 or 1")
+    return text != "0"
+
+
+@functools.cache
+def _hopper(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def silu_tma_shared(width: int, dtype: torch.dtype) -> int:
+    """Dynamic shared memory of silu_and_mul_fp8_tma for rows of `width` (gate and up)."""
+    return 2 * width * dtype.itemsize
+
+
+def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor, vector: bool | None = None,
+                     tma: bool | None = None) -> None:
+    """q, scale = quantize_per_token(silu(gate_up[:, :width]) * gate_up[:, width:]). On Hopper
+    and later, the TMA version where the row fits a block's shared memory (`tma` None:
+    fp8_silu_tma(); False: version 2 / the 16-byte / the scalar kernel as `vector` says)."""
     tokens, double = gate_up.shape
     width = double // 2
     _check_fp8_out(q, scale, tokens, width)
-    _launch_fp8("silu_and_mul_fp8", gate_up, tokens, width, _fp8_vec_threads(width, gate_up.dtype, vector, gate_up),
-                (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width)))
+    args = (_ptr(q), _ptr(scale), _ptr(gate_up), np.int32(width))
+    vec_threads = _fp8_vec_threads(width, gate_up.dtype, vector, gate_up)
+    shared = silu_tma_shared(width, gate_up.dtype)
+    device = gate_up.device.index
+    if (tokens and vec_threads and (fp8_silu_tma() if tma is None else tma) and shared <= SILU_TMA_MAX_SHARED
+            and _hopper(device)):
+        function = _kernel("silu_and_mul_fp8_tma", gate_up.dtype, device)
+        key = ("silu_and_mul_fp8_tma", gate_up.dtype, device)
+        if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
+            function.max_dynamic_shared_size_bytes = shared
+            _shared_set[key] = shared
+        function((tokens,), (min(SILU_TMA_THREADS, _threads(width // 8)),), args, shared_mem=shared)
+        return
+    _launch_fp8("silu_and_mul_fp8", gate_up, tokens, width, vec_threads, args)
 
 
 # ---- Small-batch decode kernels (layers.cu, "Small-batch decode kernels") --------------------

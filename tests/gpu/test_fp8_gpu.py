@@ -43,16 +43,19 @@ def _assert_same_quantization(q, scale, ref_q, ref_scale, min_equal=0.999):
     assert float((q.float() - ref_q.float()).abs().max()) <= float(ref_q.float().abs().max()) / 8
 
 
-@pytest.mark.parametrize("kernels", ["v2", "16-byte", "scalar"])
+@pytest.mark.parametrize("kernels", ["tma", "v2", "16-byte", "scalar"])
 @pytest.mark.parametrize("tokens", [1, 3, 64, 300])
 def test_activation_quantizing_kernels_match_torch(tokens, kernels, monkeypatch):
-    """The three FP8 quantizing kernels (version 2, the 16-byte _vec ones, the scalar ones)
-    against quantize_per_token of the unfused ops, at Llama-3-8B's widths (14,336: 448 threads
-    of 4 chunks) and narrower ones."""
+    """The three FP8 quantizing kernels (version 2, the 16-byte _vec ones, the scalar ones; for
+    SiLU*mul also the TMA version, Hopper) against quantize_per_token of the unfused ops, at
+    Llama-3-8B's widths (14,336: 448 threads of 4 chunks; 56 KiB of shared memory for the TMA
+    version) and narrower ones."""
     from inflightllm.gpu import ops
     from inflightllm.models.llama import RMSNorm
 
     vector = kernels != "scalar"
+    if kernels == "tma" and not ops._hopper(torch.cuda.current_device()):
+        pytest.skip("silu_and_mul_fp8_tma: Hopper and later")
     if kernels == "16-byte":
         monkeypatch.setattr(ops, "fp8_quant_v2", lambda: False)
     torch.manual_seed(tokens)
@@ -82,8 +85,14 @@ def test_activation_quantizing_kernels_match_torch(tokens, kernels, monkeypatch)
     ref_q, ref_scale = quantize_per_token(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])
     q, scale = _rows(tokens, inter)
     with ops.torch_stream():
-        ops.silu_and_mul_fp8(q, scale, gate_up, vector=vector)
+        ops.silu_and_mul_fp8(q, scale, gate_up, vector=vector, tma=kernels == "tma")
     _assert_same_quantization(q, scale, ref_q, ref_scale)
+    if kernels == "tma":  # bit for bit version 2's
+        q2, scale2 = _rows(tokens, inter)
+        with ops.torch_stream():
+            ops.silu_and_mul_fp8(q2, scale2, gate_up, tma=False)
+        torch.cuda.synchronize()
+        assert torch.equal(scale, scale2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
 
     x = torch.randn(tokens, 960, dtype=dtype, device="cuda")
     x[0, 5] = 1e4  # the row's amax maps to 448 (no saturation)

@@ -1965,32 +1965,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
 #endif
 #define V6_WARPS 8
 
-// (sm_90 and later: the host takes v6 only there; elsewhere these trap)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define V6_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define V6_ASM(...) __trap()
-#endif
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    V6_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { V6_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    V6_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    V6_ASM("{\n .reg .pred p;\n WAIT_%=:\n"
-           " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-           " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into shared
-// memory by the TMA unit, counted on the mbarrier `bar`; fence_proxy_async orders the warps'
-// reads of a slot (generic proxy, after a __syncthreads) before the copy engine's writes to it
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    V6_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-           ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { V6_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// (mbar_*, bulk_copy and fence_proxy_async: gpu/pdl.cuh; sm_90 and later, the host takes v6 only there)
 
 template <typename T, int D, typename CT = fp8e4m3>
 __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE_PARAMS) {
