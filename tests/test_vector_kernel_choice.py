@@ -64,3 +64,27 @@ def test_small_gemv_compile_settings_and_their_refusals(monkeypatch):
     monkeypatch.setenv("INFLIGHTLLM_SMALL_BLOCKS", "two")
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_SMALL_BLOCKS='two': an integer in 1\.\.8"):
         ops.small_gemv_defines()
+
+
+def test_silu_tma_setting_and_the_rows_it_takes(monkeypatch):
+    """silu_and_mul_fp8_tma (Hopper): INFLIGHTLLM_FP8_SILU_TMA (default on, a bad value refused
+    by name) and the rows whose gate and up halves fit a block's shared memory."""
+    import pytest
+
+    ops.fp8_silu_tma.cache_clear()
+    monkeypatch.delenv("INFLIGHTLLM_FP8_SILU_TMA", raising=False)
+    assert ops.fp8_silu_tma()
+    ops.fp8_silu_tma.cache_clear()
+    monkeypatch.setenv("INFLIGHTLLM_FP8_SILU_TMA", "0")
+    assert not ops.fp8_silu_tma()
+    ops.fp8_silu_tma.cache_clear()
+    monkeypatch.setenv("INFLIGHTLLM_FP8_SILU_TMA", "yes")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_FP8_SILU_TMA='yes': 0 or 1"):
+        ops.fp8_silu_tma()
+    ops.fp8_silu_tma.cache_clear()
+    # Llama-3-8B's 14,336 (56 KiB of gate and up in bf16), SmolLM2's 1,536, TP=2's 7,168
+    assert ops.silu_tma_shared(14336, torch.bfloat16) == 57344
+    assert all(ops.silu_tma_fits(width, torch.bfloat16) for width in (14336, 1536, 7168))
+    assert not ops.silu_tma_fits(14336, torch.float32)  # 16-bit rows only
+    assert not ops.silu_tma_fits(1540, torch.float16)  # not whole 16-byte chunks
+    assert not ops.silu_tma_fits(60000, torch.bfloat16)  # 240,000 bytes: more than a block's shared memory

@@ -301,6 +301,12 @@ def silu_tma_shared(width: int, dtype: torch.dtype) -> int:
     return 2 * width * dtype.itemsize
 
 
+def silu_tma_fits(width: int, dtype: torch.dtype) -> bool:
+    """Whether silu_and_mul_fp8_tma can take rows of `width` (16-bit values, whole 16-byte
+    chunks, gate and up within a block's shared memory)."""
+    return dtype.itemsize == 2 and width % 8 == 0 and silu_tma_shared(width, dtype) <= SILU_TMA_MAX_SHARED
+
+
 def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor, vector: bool | None = None,
                      tma: bool | None = None) -> None:
     """q, scale = quantize_per_token(silu(gate_up[:, :width]) * gate_up[:, width:]). On Hopper
@@ -313,7 +319,7 @@ def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor
     vec_threads = _fp8_vec_threads(width, gate_up.dtype, vector, gate_up)
     shared = silu_tma_shared(width, gate_up.dtype)
     device = gate_up.device.index
-    if (tokens and vec_threads and (fp8_silu_tma() if tma is None else tma) and shared <= SILU_TMA_MAX_SHARED
+    if (tokens and vec_threads and (fp8_silu_tma() if tma is None else tma) and silu_tma_fits(width, gate_up.dtype)
             and _hopper(device)):
         function = _kernel("silu_and_mul_fp8_tma", gate_up.dtype, device)
         key = ("silu_and_mul_fp8_tma", gate_up.dtype, device)
