@@ -20,10 +20,15 @@ ledger whose `done` stops moving is re-based, so pieces that never reach postpro
 (a client that went away) cannot stall the engine. Where /dev/shm is missing, or the file
 cannot be made, there is no ledger and no backpressure. The engine model removes its file
 when it is unloaded; an engine process killed outright leaves its 16 bytes behind.
+
+`window` (64) and `max_wait_s` (50 ms) can be changed for measurements with
+INFLIGHTLLM_PIECE_WINDOW (pieces) and INFLIGHTLLM_PIECE_MAX_WAIT_MS (perf/run_sender_gil_ab.sh):
+a smaller window coalesces sooner, fewer pieces carrying more tokens each.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from pathlib import Path
@@ -32,6 +37,34 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "inflightllm-pieces-"
+WINDOW = 64  # pieces in between before the sender waits
+MAX_WAIT_S = 0.05
+WINDOW_ENV = "INFLIGHTLLM_PIECE_WINDOW"
+MAX_WAIT_ENV = "INFLIGHTLLM_PIECE_MAX_WAIT_MS"
+
+
+def window_setting() -> int:
+    """The ledger's window: INFLIGHTLLM_PIECE_WINDOW (pieces, 1 to 100000), else WINDOW."""
+    raw = os.environ.get(WINDOW_ENV, "").strip()
+    if not raw:
+        return WINDOW
+    if not (raw.isdigit() and 1 <= int(raw) <= 100000):
+        raise ValueError(f"{WINDOW_ENV}={raw!r}: give the pieces in between, an integer from 1 to 100000")
+    return int(raw)
+
+
+def max_wait_setting() -> float:
+    """The ledger's longest wait in seconds: INFLIGHTLLM_PIECE_MAX_WAIT_MS (0 to 1000), else MAX_WAIT_S."""
+    raw = os.environ.get(MAX_WAIT_ENV, "").strip()
+    if not raw:
+        return MAX_WAIT_S
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0  # refused below, with the range
+    if not 0 <= ms <= 1000:
+        raise ValueError(f"{MAX_WAIT_ENV}={raw!r}: give milliseconds, a number from 0 to 1000")
+    return ms / 1000
 
 
 def ledger_path(ledger_id: int) -> Path:
@@ -53,8 +86,11 @@ class PieceLedger:
         self.waits = 0
 
     @classmethod
-    def create(cls, window: int = 64, max_wait_s: float = 0.05) -> PieceLedger | None:
-        """A new ledger under a random id, or None where shared memory is not available."""
+    def create(cls, window: int | None = None, max_wait_s: float | None = None) -> PieceLedger | None:
+        """A new ledger under a random id, or None where shared memory is not available.
+        `window` and `max_wait_s` default to window_setting() and max_wait_setting()."""
+        window = window_setting() if window is None else window
+        max_wait_s = max_wait_setting() if max_wait_s is None else max_wait_s
         for _ in range(8):  # an id already taken (FileExistsError): draw another
             try:
                 return cls(1 + secrets.randbelow(2**31 - 2), window, max_wait_s)

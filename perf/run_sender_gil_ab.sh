@@ -2,8 +2,10 @@
 # One device command: the stream=true server phase (perf/bench_gpu_server.py, profile
 # llama3-8b-h200, 1,024 x 128/128) with and without the response sender's pause, each run
 # with its own server, in the order given, plus one engine-only run to compare against:
-#   base: the default (no pause); y<us>: INFLIGHTLLM_SENDER_YIELD_US=<us>.
+#   base: the default (no pause); y<us>: INFLIGHTLLM_SENDER_YIELD_US=<us>; w<pieces>:
+#   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py).
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
+#   OUT=$OUT PROFILE=profiles/llama3-8b-fp8-h200.yaml VARIANTS="base w16 w32 base" bash perf/run_sender_gil_ab.sh
 # Writes $OUT/<variant>/bench_gpu_server-*.{json,md} and $OUT/summary.txt.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
@@ -17,6 +19,7 @@ for variant in $VARIANTS; do
   case "$variant" in
     base) env_args=() ;;
     y*) env_args=(INFLIGHTLLM_SENDER_YIELD_US="${variant#y}") ;;
+    w*) env_args=(INFLIGHTLLM_PIECE_WINDOW="${variant#w}") ;;
     *) note "unknown variant $variant"; continue ;;
   esac
   step "stream-$variant" 200 env "${env_args[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \

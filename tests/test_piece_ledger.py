@@ -84,3 +84,30 @@ def test_packed_responses_name_their_engine_process():
                         top_logprob_ids=[], top_logprobs=[], top_k=0, num_top_rows=1, sender=4242)
     assert sender({PACKED_I32: ints}) == 4242
     assert sender({}) == 0
+
+
+def test_window_and_wait_settings(monkeypatch):
+    """INFLIGHTLLM_PIECE_WINDOW and INFLIGHTLLM_PIECE_MAX_WAIT_MS reach a new ledger; values
+    out of range are refused by name, with the range."""
+    import pytest
+
+    from inflightllm import piece_ledger
+
+    monkeypatch.delenv(piece_ledger.WINDOW_ENV, raising=False)
+    monkeypatch.delenv(piece_ledger.MAX_WAIT_ENV, raising=False)
+    assert (piece_ledger.window_setting(), piece_ledger.max_wait_setting()) == (64, 0.05)
+    monkeypatch.setenv(piece_ledger.WINDOW_ENV, "16")
+    monkeypatch.setenv(piece_ledger.MAX_WAIT_ENV, "20")
+    ledger = PieceLedger.create()
+    if ledger is None:
+        pytest.skip("no /dev/shm here")
+    try:
+        assert (ledger.window, ledger.max_wait_s) == (16, 0.02)
+    finally:
+        ledger.close()
+    monkeypatch.setenv(piece_ledger.WINDOW_ENV, "0")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_PIECE_WINDOW='0': give the pieces in between"):
+        piece_ledger.window_setting()
+    monkeypatch.setenv(piece_ledger.MAX_WAIT_ENV, "soon")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_PIECE_MAX_WAIT_MS='soon': give milliseconds"):
+        piece_ledger.max_wait_setting()
