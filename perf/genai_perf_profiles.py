@@ -90,8 +90,15 @@ def run_profile(name: str, url: str, out: Path, args) -> int:
     env.setdefault("HF_HUB_OFFLINE", "1")
     command = genai_perf_command(name, url, out, args)
     print("$ " + " ".join(command), flush=True)
+    export = artifacts / run_folder / "profile_export.json"
     with open(out / f"{name}.log", "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=artifacts)
+        if result.returncode != 0 and (not export.exists() or export.stat().st_size == 0):
+            # perf_analyzer left no export (seen once on a loaded 2-core machine, its output
+            # hidden by genai-perf): once more, with its output in the log this time
+            print(f"\n--- {name}: no profile export; once more, verbose ---\n", file=log, flush=True)
+            result = subprocess.run([*command, "--verbose"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=artifacts)
     print((out / f"{name}.log").read_text()[-4000:], flush=True)
     return result.returncode
 
