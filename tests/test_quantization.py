@@ -312,3 +312,27 @@ def test_fp8_smollm2_stays_close_to_bf16_over_a_real_text(smollm2_folder, smollm
     agree = float((results["bf16"]["argmax"] == results["fp8"]["argmax"]).float().mean())
     assert ppl["fp8"] < 1.10 * ppl["bf16"], ppl
     assert agree > 0.8, agree
+
+
+@pytest.mark.parametrize("capability, quantization, refused", [
+    ((9, 0), "fp8", None),  # H100 / H200
+    ((8, 9), "fp8", None),  # Ada: FP8 tensor cores
+    ((8, 0), None, None),  # A100: 16-bit weights (the FP8 KV cache too: software e4m3)
+    ((8, 0), "fp8", "model.quantization fp8 (or an FP8 checkpoint) needs FP8 tensor cores"),
+    ((7, 5), None, "the GPU engine needs compute capability 8.0 or later"),
+])
+def test_gpu_capability_is_checked_before_loading(monkeypatch, capability, quantization, refused):
+    """The GPU engine refuses, naming the GPU and its compute capability, a GPU its kernels do
+    not run on (cp.async: 8.0) and FP8 weights without FP8 tensor cores (8.9). Checked on the
+    CPU: only the capability and the name are read."""
+    from inflightllm.gpu import model as gpu_model
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    device = torch.device("cuda", 0)
+    if refused is None:
+        gpu_model.check_capability(device, quantization)
+        return
+    with pytest.raises(ValueError, match=r"cuda:0 \(Test GPU\) has compute capability " + r"\.".join(map(str, capability))) as error:
+        gpu_model.check_capability(device, quantization)
+    assert refused in str(error.value)

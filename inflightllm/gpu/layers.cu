@@ -269,11 +269,10 @@ __device__ __forceinline__ float block_max(float value) {
     return total;
 }
 
-// Two floats -> two e4m3 bytes (lo in the low byte), round to nearest even, saturating (sm_89+).
+// Two floats -> two e4m3 bytes (lo in the low byte), round to nearest even, saturating (one
+// instruction on sm_89+, bit manipulation below: gpu/pdl.cuh).
 __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
-    unsigned short packed;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
-    return packed;
+    return (unsigned short)e4m3x2_from_float(lo, hi);
 }
 
 // Quantize the `width` values value(i) of this block's row into q (e4m3 bytes) with scale
@@ -701,12 +700,17 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
     const unsigned int words[2] = {v.x, v.y};
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
         unsigned int lo, hi;
         asm("{ .reg .b16 a, b;\n\t mov.b32 {a, b}, %2;\n\t cvt.rn.f16x2.e4m3x2 %0, a;\n\t cvt.rn.f16x2.e4m3x2 %1, b; }"
             : "=r"(lo), "=r"(hi) : "r"(words[k]));
         const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
         const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
         f[4 * k] = a.x; f[4 * k + 1] = a.y; f[4 * k + 2] = b.x; f[4 * k + 3] = b.y;
+#else  // the same values by bit manipulation (gpu/pdl.cuh)
+        e4m3x2_to_f(words[k], f + 4 * k);
+        e4m3x2_to_f(words[k] >> 16, f + 4 * k + 2);
+#endif
     }
 }
 template <typename T> __device__ __forceinline__ void unpack_w(const uint4& v, float* f) { unpack(v, f, T()); }

@@ -513,6 +513,31 @@ def model_len(spec: ModelSpec, arch: LlamaArch, config) -> int:
     return min(limit, config.max_input_length + config.max_output_len)
 
 
+# The GPUs the kernels are built for: compute capability 8.0 or later (cp.async and bf16 in the
+# attention kernels: Ampere, Ada, Hopper). FP8 weights need FP8 tensor cores (torch._scaled_mm):
+# 8.9 or later. The FP8 KV cache runs on any of them (the e4m3 conversions are done in software
+# below 8.9, gpu/pdl.cuh); the Hopper kernels (paged_decode_v6, silu_and_mul_fp8_tma, PDL) are
+# taken only on 9.0 and later.
+MIN_CAPABILITY = (8, 0)
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_capability(device: torch.device, quantization: str | None) -> None:
+    """Refuse, with the GPU named, a GPU the engine's kernels do not run on, or FP8 weights on
+    a GPU without FP8 tensor cores."""
+    capability = tuple(torch.cuda.get_device_capability(device))
+    name = torch.cuda.get_device_name(device)
+    found = f"{device} ({name}) has compute capability {capability[0]}.{capability[1]}"
+    if capability < MIN_CAPABILITY:
+        raise ValueError(f"the GPU engine needs compute capability 8.0 or later (Ampere, Ada, Hopper): {found}")
+    if quantization == "fp8" and capability < FP8_MIN_CAPABILITY:
+        raise ValueError(
+            f"model.quantization fp8 (or an FP8 checkpoint) needs FP8 tensor cores, compute capability "
+            f"8.9 or later (Ada, Hopper): {found}. Serve the 16-bit weights there (no model.quantization); "
+            "engine.kv_cache_dtype fp8 works on this GPU"
+        )
+
+
 def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel:
     """Build the fused model of `spec` directly on the engine's GPU. With tensor
     parallelism: `tp` and `device` give one rank's share on its GPU; called without them
@@ -531,6 +556,7 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
             "model.quantization fp8 (or an FP8 checkpoint) runs on one GPU for now: "
             "set engine.tensor_parallel_size to 1"
         )
+    check_capability(device, quantization)
     if tp is None and getattr(config, "tensor_parallel_size", 1) > 1:
         return LoadedModel(
             model=None, arch=arch, config=hf_config, folder=folder,

@@ -93,50 +93,10 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
 // k_scale into the query (ops.paged_decode) and v_scale into their output, gather_kv_fp8
 // multiplies each value in float32 and rounds to T (the reference's arithmetic). sm_89+
 // converts two values per instruction (cvt ... e4m3x2); older GPUs take the same rounding
-// by bit manipulation.
+// by bit manipulation (gpu/pdl.cuh, shared with layers.cu).
 struct fp8e4m3 { unsigned char bits; };
 
-__device__ __forceinline__ u32 e4m3_from_float_sw(float x) {
-    if (x != x) return 0x7fu;  // NaN
-    const u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
-    const float a = fminf(fabsf(x), 448.f);  // satfinite (infinities too)
-    if (a < 0.015625f)  // below the smallest normal 2^-6: multiples of 2^-9 (8 = the smallest normal, 0x08)
-        return sign | (u32)rintf(a * 512.f);
-    const u32 b = __float_as_uint(a);
-    const u32 r = (b + 0x7ffffu + ((b >> 20) & 1u)) >> 20;  // exponent and 3 mantissa bits, nearest even
-    return sign | (r - (120u << 3));                      // exponent bias 127 -> 7
-}
-__device__ __forceinline__ float e4m3_to_float_sw(u32 v) {
-    const u32 e = (v >> 3) & 0xfu, m = v & 7u;
-    float a;
-    if (e == 0) a = (float)m * 0.001953125f;  // subnormal: m * 2^-9
-    else if (e == 15 && m == 7) a = __int_as_float(0x7fc00000);
-    else a = __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (v & 0x80u) ? -a : a;
-}
-// two floats -> two e4m3 bytes, `lo` in the low byte (the lower address)
-__device__ __forceinline__ u32 e4m3x2_from_float(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));  // first source -> high byte
-    return r;
-#else
-    return e4m3_from_float_sw(lo) | (e4m3_from_float_sw(hi) << 8);
-#endif
-}
-// the two e4m3 bytes in the low 16 bits of w (low byte first) -> f[0], f[1]
-__device__ __forceinline__ void e4m3x2_to_f(u32 w, float* f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    u32 h;
-    const unsigned short x = (unsigned short)w;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(x));  // low byte -> low half
-    const float2 r = __half22float2(*reinterpret_cast<__half2*>(&h));
-    f[0] = r.x; f[1] = r.y;
-#else
-    f[0] = e4m3_to_float_sw(w & 0xffu);
-    f[1] = e4m3_to_float_sw((w >> 8) & 0xffu);
-#endif
-}
+// (e4m3_from_float_sw, e4m3_to_float_sw, e4m3x2_from_float, e4m3x2_to_f: gpu/pdl.cuh)
 
 // N e4m3 bytes (one vector load) -> N floats
 template <int N> struct Fp8Vec;
