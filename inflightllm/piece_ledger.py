@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from inflightllm.env_settings import env_number
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "inflightllm-pieces-"
 WINDOW = 64  # pieces in between before the sender waits
@@ -45,26 +47,17 @@ MAX_WAIT_ENV = "INFLIGHTLLM_PIECE_MAX_WAIT_MS"
 
 def window_setting() -> int:
     """The ledger's window: INFLIGHTLLM_PIECE_WINDOW (pieces, 1 to 100000), else WINDOW."""
-    raw = os.environ.get(WINDOW_ENV, "").strip()
-    if not raw:
+    raw = os.environ.get(WINDOW_ENV)
+    if raw is None:
         return WINDOW
-    if not (raw.isdigit() and 1 <= int(raw) <= 100000):
+    if not (raw.strip().isdigit() and 1 <= int(raw) <= 100000):
         raise ValueError(f"{WINDOW_ENV}={raw!r}: give the pieces in between, an integer from 1 to 100000")
     return int(raw)
 
 
 def max_wait_setting() -> float:
     """The ledger's longest wait in seconds: INFLIGHTLLM_PIECE_MAX_WAIT_MS (0 to 1000), else MAX_WAIT_S."""
-    raw = os.environ.get(MAX_WAIT_ENV, "").strip()
-    if not raw:
-        return MAX_WAIT_S
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0  # refused below, with the range
-    if not 0 <= ms <= 1000:
-        raise ValueError(f"{MAX_WAIT_ENV}={raw!r}: give milliseconds, a number from 0 to 1000")
-    return ms / 1000
+    return env_number(MAX_WAIT_ENV, MAX_WAIT_S * 1000, 0, 1000, "milliseconds") / 1000
 
 
 def ledger_path(ledger_id: int) -> Path:

@@ -105,9 +105,10 @@ def test_window_and_wait_settings(monkeypatch):
         assert (ledger.window, ledger.max_wait_s) == (16, 0.02)
     finally:
         ledger.close()
-    monkeypatch.setenv(piece_ledger.WINDOW_ENV, "0")
-    with pytest.raises(ValueError, match=r"INFLIGHTLLM_PIECE_WINDOW='0': give the pieces in between"):
-        piece_ledger.window_setting()
+    for bad in ("0", "", "many"):
+        monkeypatch.setenv(piece_ledger.WINDOW_ENV, bad)
+        with pytest.raises(ValueError, match=rf"INFLIGHTLLM_PIECE_WINDOW={bad!r}: give the pieces in between"):
+            piece_ledger.window_setting()
     monkeypatch.setenv(piece_ledger.MAX_WAIT_ENV, "soon")
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_PIECE_MAX_WAIT_MS='soon': give milliseconds"):
         piece_ledger.max_wait_setting()

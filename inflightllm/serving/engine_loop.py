@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from typing import Protocol
 import torch
 
 from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
+from inflightllm.env_settings import env_number
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
@@ -316,14 +316,7 @@ SENDER_YIELD_US = 0
 def sender_yield_s() -> float:
     """Seconds the sender sleeps between two responses of a round: INFLIGHTLLM_SENDER_YIELD_US
     (microseconds), else SENDER_YIELD_US (0: no pause)."""
-    raw = os.environ.get(SENDER_YIELD_ENV, str(SENDER_YIELD_US))
-    try:
-        micros = float(raw)
-    except ValueError:
-        micros = -1.0  # refused below, with the range
-    if not 0 <= micros <= 10000:
-        raise ValueError(f"{SENDER_YIELD_ENV}={raw!r}: give microseconds, a number from 0 to 10000")
-    return micros / 1e6
+    return env_number(SENDER_YIELD_ENV, SENDER_YIELD_US, 0, 10000, "microseconds") / 1e6
 
 
 class ResponseSender:

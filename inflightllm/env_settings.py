@@ -1,0 +1,22 @@
+"""Numbers read from the environment for measurements (a pause, a wait), refused by name when
+they are not numbers in their range."""
+
+from __future__ import annotations
+
+import os
+
+
+def env_number(name: str, default: float, low: float, high: float, unit: str) -> float:
+    """The number in environment variable `name`, `default` when it is unset. Anything that is
+    not a number from `low` to `high` (an empty value too) raises ValueError naming the
+    variable, the value, the unit and the range."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")  # refused below, with the range
+    if not low <= value <= high:
+        raise ValueError(f"{name}={raw!r}: give {unit}, a number from {low:g} to {high:g}")
+    return value
