@@ -570,6 +570,21 @@ __device__ __forceinline__ int decode_split_tokens(int n, int Z, int min_split, 
     return per;
 }
 
+// This block's split of a decode's keys: the context (its last `window` tokens with a sliding
+// window) in the grid's Z splits of decode_split_tokens. min_split < 0 (cascade decode,
+// ops.paged_decode_partials): |min_split| tokens, and the partials (unnormalised output, max,
+// sum) are written even for a single split. Sets *per (tokens a split), *active (the splits that
+// get keys: a split at or past it has none) and *direct (the only split: it writes the
+// normalised output itself, no partials); returns the split's first key r0 (its keys: [r0,
+// min(ctx, r0 + *per))). Shared by paged_decode_v2 / v4, v5 and v6.
+__device__ __forceinline__ int decode_split_keys(int ctx, int window, int Z, int min_split, int split, int* per,
+                                                 int* active, bool* direct) {
+    const int start = (window > 0) ? max(0, ctx - window) : 0;
+    *per = decode_split_tokens(ctx - start, Z, min_split < 0 ? -min_split : min_split, active);
+    *direct = *active == 1 && min_split > 0;
+    return start + split * *per;
+}
+
 // grid (num_heads, num_decodes), D threads. Z <= RED_MAXZ. Weights of the splits first (in
 // shared memory), then each thread sums its dimension over the splits with independent loads.
 // Only the sequence's active splits (decode_split_tokens) are merged; with one, paged_decode_v2
@@ -834,12 +849,9 @@ __device__ __forceinline__ void paged_decode_body(
     const bool spec = window == 0 && split == 0;
     const int spec_entry = (spec && tid < spec_n) ? bt[tid] : 0;
     const int ctx = context_lens[seq];
-    const int start = (window > 0) ? max(0, ctx - window) : 0;
-    const int n = ctx - start;
-    int active;
-    // min_split < 0 (cascade decode, ops.paged_decode_partials): |min_split| tokens, and the
-    // partials (unnormalised output, max, sum) are written even for a single split.
-    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
+    int per, active;
+    bool direct;
+    const int r0 = decode_split_keys(ctx, window, Z, min_split, split, &per, &active, &direct);
     if (split >= active) {  // no tokens here: decode_reduce merges only the active splits
         pdl_wait();
         if (split == 0 && min_split > 0)  // an empty context: zeros (decode_reduce skips it as a single
@@ -847,8 +859,6 @@ __device__ __forceinline__ void paged_decode_body(
             decode_empty_split<T, D>(out, part_out, part_m, part_l, seq, num_heads, head0, ng, split, 1, tid);
         return;
     }
-    const bool direct = active == 1 && min_split > 0;  // the only split: the normalised output, no partials
-    const int r0 = start + split * per;
     const int r1 = min(ctx, r0 + per);
 
     // The block-table slice of tokens [c0, min(r1, c0 + DEC2_CHUNK)) into s_bt; the first one
@@ -1771,10 +1781,9 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
 
     const int* bt = block_tables + (i64)seq * bt_stride;
     const int ctx = context_lens[seq];
-    const int start = (window > 0) ? max(0, ctx - window) : 0;
-    const int n = ctx - start;
-    int active;
-    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
+    int per, active;
+    bool direct;
+    const int r0 = decode_split_keys(ctx, window, Z, min_split, split, &per, &active, &direct);
     if (split >= active) {
         pdl_wait();
         if (split == 0 && min_split > 0)
@@ -1783,8 +1792,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) paged_decode_v5(PAGED_DECODE_P
                                          ng, split, 1, tid);
         return;
     }
-    const bool direct = active == 1 && min_split > 0;
-    const int r0 = start + split * per;
     const int r1 = live ? min(ctx, r0 + per) : r0;  // a spare warp walks no keys
 
     // a tile's block-table entries: lane i holds the one of the tile's i-th block (32 keys span
@@ -1953,10 +1960,9 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
 
     const int* bt = block_tables + (i64)seq * bt_stride;
     const int ctx = context_lens[seq];
-    const int start = (window > 0) ? max(0, ctx - window) : 0;
-    const int n = ctx - start;
-    int active;
-    const int per = decode_split_tokens(n, Z, min_split < 0 ? -min_split : min_split, &active);
+    int per, active;
+    bool direct;
+    const int r0 = decode_split_keys(ctx, window, Z, min_split, split, &per, &active, &direct);
     if (split >= active) {
         pdl_wait();
         if (split == 0 && min_split > 0 && tid < DEC_THREADS)
@@ -1965,8 +1971,6 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
                                          tid);
         return;
     }
-    const bool direct = active == 1 && min_split > 0;
-    const int r0 = start + split * per;
     const int r1 = min(ctx, r0 + per);
     const int bs = 1 << bs_shift;
     const int p0 = r0 >> bs_shift;                        // the split's first page (of the sequence)
