@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inflightllm.env_settings import env_switch
+
 CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 KERNELS = (
     "rms_norm", "add_rms_norm", "add_rms_norm_vec", "rotary", "rotary_vec", "silu_and_mul", "silu_and_mul_vec",
@@ -236,10 +238,7 @@ def _fp8_vec_threads(width: int, dtype: torch.dtype, vector: bool | None, *tenso
 @functools.cache
 def fp8_quant_v2() -> bool:
     """Whether the FP8 quantizing kernels' version 2 runs where it can (INFLIGHTLLM_FP8_QUANT_V2, default 1)."""
-    text = os.environ.get("INFLIGHTLLM_FP8_QUANT_V2", "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"INFLIGHTLLM_FP8_QUANT_V2={text!r}: 0 or 1")
-    return text != "0"
+    return env_switch("INFLIGHTLLM_FP8_QUANT_V2")
 
 
 def _launch_fp8(name: str, rows: torch.Tensor, tokens: int, width: int, vec_threads: int, args: tuple) -> None:
@@ -285,10 +284,7 @@ SILU_TMA_MAX_SHARED = 227 * 1024 - 1024
 def fp8_silu_tma() -> bool:
     """Whether silu_and_mul_fp8 takes its TMA version on Hopper and later where the row fits
     (INFLIGHTLLM_FP8_SILU_TMA, default 1)."""
-    text = os.environ.get("INFLIGHTLLM_FP8_SILU_TMA", "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"INFLIGHTLLM_FP8_SILU_TMA={text!r}: 0 or 1")
-    return text != "0"
+    return env_switch("INFLIGHTLLM_FP8_SILU_TMA")
 
 
 @functools.cache
