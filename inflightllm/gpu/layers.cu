@@ -204,6 +204,12 @@ __global__ void rotary_vec(T* __restrict__ q, T* __restrict__ k, const long* __r
     }
 }
 
+// T(silu(g)) * u in float32, rounded as the unfused torch ops round (silu's output to T, the
+// product correctly rounded): every SiLU*mul below rounds this to T.
+template <typename T> __device__ __forceinline__ float silu_mul_f(float g, float u) {
+    return __fmul_rn(round_t<T>(g / (1.0f + expf(-g))), u);
+}
+
 // out[t, j] = T(silu(gate[t, j])) * up[t, j], with gate_up[t] = [gate (width) | up (width)].
 template <typename T>
 __global__ void silu_and_mul(T* __restrict__ out, const T* __restrict__ gate_up, int width, long total) {
@@ -212,8 +218,7 @@ __global__ void silu_and_mul(T* __restrict__ out, const T* __restrict__ gate_up,
         const int j = idx % width;
         const float g = to_f<T>(gate_up[row * 2 * width + j]);
         const float u = to_f<T>(gate_up[row * 2 * width + width + j]);
-        const float act = round_t<T>(g / (1.0f + expf(-g)));
-        out[idx] = from_f<T>(__fmul_rn(act, u));
+        out[idx] = from_f<T>(silu_mul_f<T>(g, u));
     }
 }
 
@@ -235,8 +240,7 @@ __global__ void silu_and_mul_vec(T* __restrict__ out, const T* __restrict__ gate
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
         const float g = to_f<T>(gs[i]);
-        const float act = round_t<T>(g / (1.0f + expf(-g)));
-        os[i] = from_f<T>(__fmul_rn(act, to_f<T>(us[i])));
+        os[i] = from_f<T>(silu_mul_f<T>(g, to_f<T>(us[i])));
     }
     *reinterpret_cast<uint4*>(out + row * (long)width + j0) = ov;
 }
@@ -330,8 +334,7 @@ __global__ void silu_and_mul_fp8(unsigned char* __restrict__ q, float* __restric
     const T* g = gate_up + row * 2 * (long)width;
     quantize_row(q + row * width, scale + row, width, [&](int i) {
         const float gv = to_f<T>(g[i]);
-        const float act = round_t<T>(gv / (1.0f + expf(-gv)));
-        return round_t<T>(__fmul_rn(act, to_f<T>(g[width + i])));
+        return round_t<T>(silu_mul_f<T>(gv, to_f<T>(g[width + i])));
     });
 }
 
@@ -448,8 +451,7 @@ __global__ void silu_and_mul_fp8_vec(unsigned char* __restrict__ q, float* __res
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const float gf = to_f<T>(gt[i]);
-            const float act = round_t<T>(gf / (1.0f + expf(-gf)));
-            v[j][i] = round_t<T>(__fmul_rn(act, to_f<T>(ut[i])));
+            v[j][i] = round_t<T>(silu_mul_f<T>(gf, to_f<T>(ut[i])));
         }
     }
     quantize_held<T>(q + row * width, scale + row, v, chunks);
@@ -598,8 +600,7 @@ __global__ void __launch_bounds__(1024) silu_and_mul_fp8_v2(unsigned char* __res
         unpack8_t<T>(uv[j], uf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float act = round_t<T>(gf[i] / (1.0f + expf(-gf[i])));
-            v[i] = round_t<T>(__fmul_rn(act, uf[i]));
+            v[i] = round_t<T>(silu_mul_f<T>(gf[i], uf[i]));
             amax = fmaxf(amax, fabsf(v[i]));  // (zeros past the row: silu(0) * 0)
         }
         gv[j] = pack8_t<T>(v);
@@ -639,8 +640,7 @@ __global__ void __launch_bounds__(256) silu_and_mul_fp8_tma(unsigned char* __res
         unpack8_t<T>(u[c], uf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float act = round_t<T>(gf[i] / (1.0f + expf(-gf[i])));
-            v[i] = round_t<T>(__fmul_rn(act, uf[i]));
+            v[i] = round_t<T>(silu_mul_f<T>(gf[i], uf[i]));
             amax = fmaxf(amax, fabsf(v[i]));
         }
         g[c] = pack8_t<T>(v);  // read back by this thread only
@@ -1064,8 +1064,7 @@ __global__ void __launch_bounds__(256, M == 1 ? SMALL_BLOCKS_M1 : 2) gate_up_nor
         if (bias != nullptr) { g += to_f<T>(bias[j]); u += to_f<T>(bias[inter + j]); }
         g = round_t<T>(g);
         u = round_t<T>(u);
-        const float a = round_t<T>(g / (1.0f + expf(-g)));
-        act[(long)m * inter + j] = from_f<T>(__fmul_rn(a, u));
+        act[(long)m * inter + j] = from_f<T>(silu_mul_f<T>(g, u));
     }
 }
 
