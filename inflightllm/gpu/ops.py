@@ -318,10 +318,7 @@ def silu_and_mul_fp8(q: torch.Tensor, scale: torch.Tensor, gate_up: torch.Tensor
     if (tokens and vec_threads and (fp8_silu_tma() if tma is None else tma) and silu_tma_fits(width, gate_up.dtype)
             and _hopper(device)):
         function = _kernel("silu_and_mul_fp8_tma", gate_up.dtype, device)
-        key = ("silu_and_mul_fp8_tma", gate_up.dtype, device)
-        if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
-            function.max_dynamic_shared_size_bytes = shared
-            _shared_set[key] = shared
+        _allow_shared(function, ("silu_and_mul_fp8_tma", gate_up.dtype, device), shared)
         function((tokens,), (min(SILU_TMA_THREADS, _threads(width // 8)),), args, shared_mem=shared)
         return
     _launch_fp8("silu_and_mul_fp8", gate_up, tokens, width, vec_threads, args)
@@ -374,6 +371,14 @@ def _small_module(dtype: torch.dtype, device: int, fp8: bool = False):
 _shared_set: dict[tuple, int] = {}
 
 
+def _allow_shared(function, key: tuple, shared: int) -> None:
+    """Let `function` (named by `key`) take `shared` bytes of dynamic shared memory: above the
+    default 48 KiB the attribute must be raised, once per size that grows."""
+    if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
+        function.max_dynamic_shared_size_bytes = shared
+        _shared_set[key] = shared
+
+
 @functools.cache
 def _small_function(name: str, dtype: torch.dtype, m: int, device: int, fp8: bool = False):
     with _cupy_device(device):
@@ -396,10 +401,7 @@ def _norm_shared_bytes(rows: torch.Tensor) -> int:
 def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0, fp8: bool = False):
     m = _template_m(tokens)
     function = _small_function(name, dtype, m, device, fp8)
-    key = (name, dtype, m, device, fp8)
-    if shared > 48 * 1024 and _shared_set.get(key, 0) < shared:
-        function.max_dynamic_shared_size_bytes = shared
-        _shared_set[key] = shared
+    _allow_shared(function, (name, dtype, m, device, fp8), shared)
     return function
 
 
