@@ -350,6 +350,8 @@ class GpuModelRunner:
             block_tables=self.block_tables[:num_seqs],
             context_lens=self.context_lens[:num_seqs],
             query_start_loc=self.query_start_loc[: num_seqs + 1],
+            prefill_query_lens=prefill_lens,
+            prefill_context_lens=context[num_decodes:],
         )
 
     def _cascade_plan(self, rows: np.ndarray, num_computed: np.ndarray, num_decodes: int):

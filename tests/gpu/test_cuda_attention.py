@@ -262,6 +262,46 @@ def test_prefill_8b_shape():
     case.check(b, "8B 1x4096 prompt bf16 flash")
 
 
+# Runs of whole prompts of one length from 512 tokens (cuDNN, dense) among chunks, prefix hits,
+# short prompts and decodes (flash varlen / decode kernels): backend.plan_prefill_segments.
+DENSE = [(1, 40), (1, 3000), (600, 600), (600, 600), (600, 600), (200, 1200), (1024, 1024), (512, 512), (512, 512),
+         (100, 100), (333, 900), (700, 700)]
+DENSE_CALLS = [(3, 600), (1, 1024), (2, 512), (1, 700)]
+
+
+def count_dense_calls(backend) -> list:
+    calls = []
+    dense = backend._dense
+
+    def counting(q, k, v, prompts, length, out):
+        calls.append((prompts, length))
+        return dense(q, k, v, prompts, length, out)
+
+    backend._dense = counting
+    return calls
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "packed"])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64)], ids=["gqa4-d128", "mha-d64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cudnn_dense_prefill_segments(dtype, heads, fused):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN dense prefill attention is taken on Hopper or later")
+    h, kvh, d = heads
+    case = Case(DENSE, h, kvh, d, 16, dtype, seed=5, fused=fused)
+    label = f"cudnn dense {dtype} {h}/{kvh} d={d} {'fused' if fused else 'packed'}"
+    calls = count_dense_calls(case.backend)
+    case.check(dense := case.run("flash"), label)
+    assert case.backend._cudnn_error is None, case.backend._cudnn_error
+    assert calls == DENSE_CALLS
+    dense = dense.clone()
+    case.backend.prefill_cudnn_min_len = 0  # every prefill on flash varlen
+    case.check(varlen := case.run("flash"), label + ", min len 0 (flash varlen only)")
+    assert calls == DENSE_CALLS
+    diff = float((dense.float() - varlen.float()).norm() / varlen.float().norm())
+    _report(f"{label}: cuDNN vs flash varlen rel diff {diff:.2e}, strided query packed: {case.backend._cudnn_packed_q}")
+
+
 def test_padding_and_unaligned_inputs():
     """Slot -1 tokens are not written, a context_len 0 row yields zeros, and misaligned
     (non-16-byte) inputs take the scalar copy / .contiguous() paths."""

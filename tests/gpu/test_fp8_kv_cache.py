@@ -279,6 +279,20 @@ def test_sliding_window():
     case.check(case.run("flash", decode="v6"), "fp8 window=256 flash, decode v6")
 
 
+def test_cudnn_dense_prefill_over_the_dequantized_cache():
+    """Whole prompts of one length from 512 tokens as dense cuDNN calls over the K/V gathered
+    (dequantized) from the FP8 cache, among chunks, prefix hits and decodes."""
+    from .test_cuda_attention import DENSE, DENSE_CALLS, count_dense_calls
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN dense prefill attention is taken on Hopper or later")
+    case = Fp8Case(DENSE, 32, 8, 128, 16, torch.bfloat16, (0.023, 0.0171), seed=13)
+    calls = count_dense_calls(case.backend)
+    case.check(case.run("flash", decode="auto"), "fp8 cudnn dense bf16 32/8 d=128")
+    assert case.backend._cudnn_error is None, case.backend._cudnn_error
+    assert calls == DENSE_CALLS
+
+
 def test_prefill_only_unfused_inputs():
     case = Fp8Case([(1024, 1024), (77, 300)], 32, 8, 128, 16, torch.bfloat16, (0.5, 0.25), seed=2, fused=False)
     case.check(case.run("flash"), "fp8 prefill flash")

@@ -225,14 +225,12 @@ def test_fp32_eager_synchronous_equals_transformers(fp32_engine_and_reference):
     assert_equal(reference, prompts, [20] * 6, run(eager, prompts, [20] * 6))
 
 
-def test_bf16_within_top5_at_first_divergence():
-    engine = Engine(model_spec("bfloat16"), gpu_config(), sampler_seed=0)
-    reference = Reference(engine)
-    prompts = make_prompts(8, engine.vocab_size, seed=6)
-    results = run(engine, prompts, [32] * 8, [0, 0, 1, 1, 2, 3, 3, 4])
+def assert_within_top5(reference, prompts, results, max_tokens: int) -> int:
+    """Where our greedy ids first differ from transformers', our token is within its top-5
+    there. Returns how many sequences diverged."""
     diverged = 0
     for prompt, result in zip(prompts, results):
-        expected = reference.greedy(prompt, 32)
+        expected = reference.greedy(prompt, max_tokens)
         if result.token_ids == expected:
             continue
         diverged += 1
@@ -241,7 +239,44 @@ def test_bf16_within_top5_at_first_divergence():
         assert result.token_ids[first] in reference.top_ids(context, 5), (
             f"ours {result.token_ids[first]} not in transformers' top-5 at output position {first}"
         )
+    return diverged
+
+
+def test_bf16_within_top5_at_first_divergence():
+    engine = Engine(model_spec("bfloat16"), gpu_config(), sampler_seed=0)
+    reference = Reference(engine)
+    prompts = make_prompts(8, engine.vocab_size, seed=6)
+    results = run(engine, prompts, [32] * 8, [0, 0, 1, 1, 2, 3, 3, 4])
+    diverged = assert_within_top5(reference, prompts, results, 32)
     print(f"bf16: {diverged} of {len(prompts)} sequences diverged, each within top-5 at the first divergence")
+
+
+def test_bf16_long_whole_prompts_on_cudnn_within_top5(monkeypatch):
+    """Three whole prompts of 600 tokens in one step are one dense cuDNN call (Hopper), the
+    fourth, cut by the 2048-token budget, goes through flash varlen as a first and a later
+    chunk; greedy ids within transformers' top-5 at the first divergence."""
+    from inflightllm.attention.cuda.backend import CudaPagedAttention
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN dense prefill attention is taken on Hopper or later")
+    calls = []
+    dense = CudaPagedAttention._dense
+
+    def counting(self, q, k, v, prompts, length, out):
+        calls.append((prompts, length))
+        return dense(self, q, k, v, prompts, length, out)
+
+    monkeypatch.setattr(CudaPagedAttention, "_dense", counting)
+    engine = Engine(model_spec("bfloat16"), gpu_config(), sampler_seed=0)
+    reference = Reference(engine)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, engine.vocab_size, (n,), generator=generator).tolist() for n in (600, 600, 600, 700)]
+    calls.clear()  # (the start's profiling step is one whole prompt too)
+    results = run(engine, prompts, [16] * 4)
+    layers = engine.loaded.config["num_hidden_layers"]
+    assert calls.count((3, 600)) == layers, calls
+    diverged = assert_within_top5(reference, prompts, results, 16)
+    print(f"bf16 long prompts: {diverged} of {len(prompts)} sequences diverged, each within top-5")
 
 
 def test_sampling_on_gpu_is_seeded_and_valid(fp32_engine_and_reference):

@@ -31,6 +31,7 @@ import torch
 
 from inflightllm.attention.base import AttentionBackend, SequenceSlice
 from inflightllm.attention.cuda import ops
+from inflightllm.env_settings import env_number
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,12 @@ PREFILL_DEFAULT = "flash"
 DECODE_DEFAULT = "auto"
 DECODE_IMPLS = (*ops.DECODE_KERNELS, "v5", "v6", "auto")
 KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
+# Prefill attention on Hopper: consecutive whole prompts of one length from this many tokens
+# go to cuDNN's fused attention as one dense batch [prompts, heads, length, d] (torch SDPA),
+# ~1.7x FlashAttention 2's varlen forward at 8 x 2048 tokens of Llama-3-8B on an H100; the
+# rest of a step's prefills stay on flash varlen (plan_prefill_segments, docs/CUDA-KERNELS.md).
+# INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN overrides it (0: off).
+PREFILL_CUDNN_MIN_LEN = 512
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
 HOST_TIER_CHUNK = 64
@@ -109,6 +116,36 @@ def default_decode_min_split(default: int = ops.DECODE_MIN_SPLIT_TOKENS) -> int:
     if not text.isdigit() or int(text) < 32 or int(text) % 32:
         raise ValueError(f"INFLIGHTLLM_DECODE_MIN_SPLIT={text!r}: a positive multiple of 32 (tokens per split)")
     return int(text)
+
+
+def default_prefill_cudnn_min_len() -> int:
+    """The shortest whole prompt the prefill attention gives cuDNN (PREFILL_CUDNN_MIN_LEN), or
+    INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN: a token count, 0 for never."""
+    return int(env_number("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", PREFILL_CUDNN_MIN_LEN, 0, 1 << 24,
+                          "the shortest whole prompt for cuDNN attention in tokens (0: never)"))
+
+
+def plan_prefill_segments(query_lens, context_lens, min_len: int) -> list[tuple[int, int, int]]:
+    """A step's prefills (host lengths, in packed order) cut into consecutive segments, each
+    one attention call: (first prefill, count, length) where length > 0 marks a run of whole
+    prompts (query length == context length: no cached prefix, not a later chunk) all of that
+    length, at least `min_len` tokens (a dense batch for cuDNN), and 0 a run of anything else
+    (flash varlen). min_len 0: one varlen segment of everything."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    c = np.asarray(context_lens, dtype=np.int64)
+    n = len(q)
+    if n == 0:
+        return []
+    if min_len <= 0:
+        return [(0, n, 0)]
+    dense_len = np.where((q == c) & (q >= min_len), q, 0)
+    segments: list[tuple[int, int, int]] = []
+    first = 0
+    for i in range(1, n + 1):
+        if i == n or dense_len[i] != dense_len[first]:
+            segments.append((first, i - first, int(dense_len[first])))
+            first = i
+    return segments
 
 
 def _checked_scales(kv_scales) -> list[tuple[float, float]]:
@@ -332,6 +369,10 @@ class CudaAttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32 prefix sums of query lengths
     # Decodes that share a prefix of whole blocks attend it once per group (plan_cascade).
     cascade: CascadeDecode | None = None
+    # Host copies of the prefills' query and context lengths (the runner and build_metadata
+    # fill them): plan_prefill_segments reads them. None: one flash varlen call for all.
+    prefill_query_lens: np.ndarray | None = None
+    prefill_context_lens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -408,6 +449,12 @@ class CudaPagedAttention(AttentionBackend):
         self._num_sms = 132
         self._v6_ok = False  # allocate_kv_cache: paged_decode_v6 fits this cache and GPU
         self._flash_error: str | None = None
+        # Whole prompts of one length from this many tokens: cuDNN dense attention (Hopper, set
+        # by allocate_kv_cache; 0: never). _cudnn_error: why it was given up (then flash varlen).
+        self.prefill_cudnn_min_len = default_prefill_cudnn_min_len()
+        self._cudnn_ok = False
+        self._cudnn_error: str | None = None
+        self._cudnn_packed_q = False  # _dense: cuDNN refused a strided query once, copy it packed
         # Host KV tier (allocate_host_tier): pinned slots [num_host_blocks, layers, 2, block_size,
         # kvh, d] (one block's every layer contiguous), its copy stream and a device staging
         # buffer of HOST_TIER_CHUNK blocks in the same layout.
@@ -473,6 +520,9 @@ class CudaPagedAttention(AttentionBackend):
         # and the ring within a block's shared memory
         self._v6_ok = (self.fp8 and torch.cuda.get_device_capability(index) >= (9, 0)
                        and ops.decode_v6_fits(num_kv_heads, block_size, head_dim))
+        # cuDNN's fused attention for dense prefill segments: measured on Hopper only
+        self._cudnn_ok = (torch.cuda.get_device_capability(index) >= (9, 0) and torch.backends.cudnn.is_available()
+                          and dtype in (torch.float16, torch.bfloat16))
 
     # ------------------------------------------------------------------ host KV tier
     def allocate_host_tier(self, num_host_blocks: int) -> int:
@@ -634,6 +684,8 @@ class CudaPagedAttention(AttentionBackend):
             block_tables=table.to(device),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            prefill_query_lens=np.array([s.query_len for s in prefills], dtype=np.int64),
+            prefill_context_lens=np.array([s.context_len for s in prefills], dtype=np.int64),
         )
 
     def decode_splits(self, num_decodes: int, group: int | None = None, variant: str | None = None) -> int:
@@ -859,8 +911,9 @@ class CudaPagedAttention(AttentionBackend):
 
     def _prefill_flash(self, query, key_cache, value_cache, md: CudaAttentionMetadata, out, stream, scales=None):
         """Gather each prefill's K/V into packed rows (dequantized from an FP8 cache with its
-        `scales`), then torch's flash varlen forward (causal aligned bottom-right, so chunks
-        and prefix hits attend their whole context)."""
+        `scales`), then attend: runs of whole prompts of one length (plan_prefill_segments) as a
+        dense batch on cuDNN's fused attention, everything else by torch's flash varlen forward
+        (causal aligned bottom-right, so chunks and prefix hits attend their whole context)."""
         nd, npf, ndt = md.num_decodes, md.num_prefills, md.num_decode_tokens
         device = query.device
         q = query[ndt:]
@@ -885,10 +938,64 @@ class CudaPagedAttention(AttentionBackend):
             stream,
             scales,
         )
+        segments = None
+        if (self._cudnn_ok and self._cudnn_error is None and self.prefill_cudnn_min_len > 0 and not self.sliding_window
+                and md.prefill_query_lens is not None and md.prefill_context_lens is not None):
+            segments = plan_prefill_segments(md.prefill_query_lens, md.prefill_context_lens, self.prefill_cudnn_min_len)
+            if all(length == 0 for _, _, length in segments):
+                segments = None
+        if segments is None:  # one varlen call over every prefill
+            self._varlen(q, k, v, cu_q, cu_k, md.max_query_len, md.max_context_len, out[ndt:])
+            return
+        q_off = np.zeros(npf + 1, dtype=np.int64)
+        np.cumsum(md.prefill_query_lens, out=q_off[1:])
+        k_off = np.zeros(npf + 1, dtype=np.int64)
+        np.cumsum(md.prefill_context_lens, out=k_off[1:])
+        for first, count, length in segments:
+            qa, qb, ka, kb = int(q_off[first]), int(q_off[first + count]), int(k_off[first]), int(k_off[first + count])
+            if length and self._cudnn_error is None:
+                try:
+                    self._dense(q[qa:qb], k[ka:kb], v[ka:kb], count, length, out[ndt + qa : ndt + qb])
+                    continue
+                except RuntimeError as error:  # rejected by this cuDNN / shape: flash varlen from now on
+                    self._cudnn_error = f"{type(error).__name__}: {error}"
+                    log.warning("cuDNN prefill attention unavailable, using flash varlen: %s", self._cudnn_error)
+            self._varlen(q[qa:qb], k[ka:kb], v[ka:kb], cu_q[first : first + count + 1] - qa,
+                         cu_k[first : first + count + 1] - ka, int(md.prefill_query_lens[first : first + count].max()),
+                         int(md.prefill_context_lens[first : first + count].max()), out[ndt + qa : ndt + qb])
+
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, out) -> None:
+        """torch's flash varlen forward of packed sequences into `out` (their rows)."""
         kwargs = {"scale": self.scale}
         if self.sliding_window:
             kwargs.update(window_size_left=self.sliding_window - 1, window_size_right=0)
-        result = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, md.max_query_len, md.max_context_len, 0.0, True, False, **kwargs
-        )
-        out[ndt:].copy_(result[0])
+        result = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kwargs)
+        out.copy_(result[0])
+
+    def _dense(self, q, k, v, prompts: int, length: int, out) -> None:
+        """`prompts` whole prompts of `length` tokens each, packed ([prompts * length, heads, d]),
+        by cuDNN's fused attention (the op of torch SDPA's CUDNN_ATTENTION backend, causal, kv
+        heads shared by their query heads) into `out` (their rows). A query strided by a fused qkv
+        projection that the backend refuses is copied packed, then and in later calls
+        (_cudnn_packed_q)."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        kd = k.view(prompts, length, kvh, d).transpose(1, 2)
+        vd = v.view(prompts, length, kvh, d).transpose(1, 2)
+
+        def attend(query):  # the op SDPA's cuDNN backend calls (no global backend switch)
+            qd = query.view(prompts, length, h, d).transpose(1, 2)
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(qd, kd, vd, None, False, 0.0, True, False,
+                                                                      scale=self.scale)[0]
+
+        if q.is_contiguous() or not self._cudnn_packed_q:
+            try:
+                result = attend(q)
+            except RuntimeError as error:
+                if q.is_contiguous():
+                    raise
+                log.info("cuDNN attention refused a strided query (%s): packing queries", str(error).splitlines()[0])
+                self._cudnn_packed_q = True
+                result = attend(q.contiguous())
+        else:
+            result = attend(q.contiguous())
+        out.view(prompts, length, h, d).copy_(result.transpose(1, 2))

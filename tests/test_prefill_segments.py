@@ -1,0 +1,75 @@
+"""The prefill attention's split of a step into calls (no GPU): runs of whole prompts of one
+length from backend.PREFILL_CUDNN_MIN_LEN tokens go to cuDNN as one dense batch, everything
+else (later chunks, prefix-cache hits, short or lone-length prompts) to flash varlen; the
+setting that moves the threshold, and the host lengths the metadata carries for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inflightllm.attention.base import SequenceSlice
+from inflightllm.attention.cuda import backend
+from inflightllm.attention.cuda.backend import CudaPagedAttention, plan_prefill_segments
+
+
+def test_runs_of_equal_whole_prompts_are_dense():
+    q = [2048, 2048, 2048, 1948]  # the last prompt cut by the token budget: a first chunk
+    c = [2048, 2048, 2048, 2048]
+    assert plan_prefill_segments(q, c, 512) == [(0, 3, 2048), (3, 1, 0)]
+
+
+def test_a_length_change_starts_a_new_dense_run():
+    q = [1024, 1024, 2048, 2048, 2048, 700]
+    assert plan_prefill_segments(q, q, 512) == [(0, 2, 1024), (2, 3, 2048), (5, 1, 700)]
+
+
+def test_chunks_prefix_hits_and_short_prompts_stay_varlen_together():
+    q = [100, 200, 333, 600, 600, 7]
+    c = [100, 1200, 900, 600, 600, 7]
+    # 100: a whole prompt under the threshold; 200 of 1200: a later chunk; 333 of 900: a prefix hit
+    assert plan_prefill_segments(q, c, 512) == [(0, 3, 0), (3, 2, 600), (5, 1, 0)]
+
+
+def test_every_prefill_falls_in_exactly_one_segment():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        q = rng.choice([1, 7, 512, 600, 2048], size=n)
+        c = q + rng.choice([0, 0, 0, 64], size=n)
+        segments = plan_prefill_segments(q, c, 512)
+        covered = [i for first, count, _ in segments for i in range(first, first + count)]
+        assert covered == list(range(n))
+        for first, count, length in segments:
+            if length:
+                assert all(q[i] == c[i] == length >= 512 for i in range(first, first + count))
+            else:
+                assert not any(q[i] == c[i] >= 512 for i in range(first, first + count))
+        # neighbours of one kind and length merge: no two adjacent segments alike
+        assert all(a[2] != b[2] for a, b in zip(segments, segments[1:]))
+
+
+def test_threshold_zero_or_nothing_to_plan():
+    assert plan_prefill_segments([2048, 2048], [2048, 2048], 0) == [(0, 2, 0)]
+    assert plan_prefill_segments([], [], 512) == []
+
+
+def test_threshold_from_the_environment(monkeypatch):
+    monkeypatch.delenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", raising=False)
+    assert CudaPagedAttention(32, 8, 128).prefill_cudnn_min_len == backend.PREFILL_CUDNN_MIN_LEN == 512
+    monkeypatch.setenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", "0")
+    assert CudaPagedAttention(32, 8, 128).prefill_cudnn_min_len == 0
+    monkeypatch.setenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", "many")
+    with pytest.raises(ValueError, match=r"INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN='many': give the shortest whole prompt"):
+        CudaPagedAttention(32, 8, 128)
+
+
+def test_build_metadata_carries_the_prefills_host_lengths():
+    attention = CudaPagedAttention(4, 2, 64)
+    attention.block_size = 16
+    sequences = [SequenceSlice(0, 1, 40, (0, 1, 2)), SequenceSlice(1, 600, 600, tuple(range(3, 41))),
+                 SequenceSlice(601, 20, 70, (41, 42, 43, 44, 45))]
+    md = attention.build_metadata(sequences, "cpu")
+    assert md.num_decodes == 1 and md.num_prefills == 2
+    assert md.prefill_query_lens.tolist() == [600, 20]
+    assert md.prefill_context_lens.tolist() == [600, 70]
