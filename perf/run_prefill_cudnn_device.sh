@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One device command for the prefill attention's dense cuDNN segments (issue 26;
 # backend.plan_prefill_segments): the probe of cuDNN vs flash varlen over prompt shapes (first
-# call and steady ms), bench rows with the default threshold and with it off
+# call and steady ms), one layer's prefill attention with the threshold and without
+# (perf.bench_prefill_attention, FP8 and bf16 caches), bench rows with the default threshold and with it off
 # (INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN=0), then the GPU tests that take the dense path.
 #
 #   OUT=$OUT bash perf/run_prefill_cudnn_device.sh                   # carry build/bundle/part1
 #
 # SHAPES (probe), ROWS (bench rows, fp8), MIN_LENS (thresholds to bench; "default" = unset),
-# TESTS_K (pytest -k over the three test files), SKIP (comma-separated of probe,rows,tests).
+# TESTS_K (pytest -k over the three test files), PROFILE_STEPS (bench rows' profiler windows),
+# SKIP (comma-separated of probe,layer,rows,tests).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 SHAPES="${SHAPES:-8x2048,7x2048,1x2048,2x4096,1x8192,16x1024,32x512,3x600,64x256,128x128}"
@@ -21,13 +23,19 @@ case ",$SKIP," in *,probe,*) ;; *)
   step probe 120 "$PY" -m perf.probe_prefill_attention --shapes "$SHAPES" --candidates flash-varlen,sdpa-cudnn
   grep '^{' "$OUT/probe.log" >> "$SUMMARY" ;;
 esac
+case ",$SKIP," in *,layer,*) ;; *)
+  for cache in fp8 bf16; do
+    step "layer_$cache" 120 "$PY" -m perf.bench_prefill_attention --cache "$cache"
+    grep '^{' "$OUT/layer_$cache.log" >> "$SUMMARY"
+  done ;;
+esac
 case ",$SKIP," in *,rows,*) ;; *)
   for min_len in $MIN_LENS; do
     if [ "$min_len" = default ]; then settings=""; else settings="INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN=$min_len"; fi
     # shellcheck disable=SC2086
     step "rows_min$min_len" 240 env $settings "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml \
-      --variants fp8 --rows "$ROWS" --out "$OUT/rows_min$min_len.json"
-    grep 'output tok/s' "$OUT/rows_min$min_len.log" | sed "s/^/  [min len $min_len] /" >> "$SUMMARY"
+      --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" --out "$OUT/rows_min$min_len.json"
+    grep -E 'output tok/s|profile of|^   ' "$OUT/rows_min$min_len.log" | sed "s/^/  [min len $min_len] /" >> "$SUMMARY"
   done ;;
 esac
 case ",$SKIP," in *,tests,*) ;; *)
