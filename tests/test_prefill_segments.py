@@ -1,7 +1,8 @@
 """The prefill attention's split of a step into calls (no GPU): runs of whole prompts of one
-length from backend.PREFILL_CUDNN_MIN_LEN tokens go to cuDNN as one dense batch, everything
-else (later chunks, prefix-cache hits, short or lone-length prompts) to flash varlen; the
-setting that moves the threshold, and the host lengths the metadata carries for it."""
+length, from backend.PREFILL_CUDNN_MIN_LEN tokens and a multiple of PREFILL_CUDNN_ALIGN, go to
+cuDNN as one dense batch, everything else (later chunks, prefix-cache hits, short or unaligned
+prompts) to flash varlen; the setting that moves the threshold, and the host lengths the
+metadata carries for it."""
 
 from __future__ import annotations
 
@@ -20,15 +21,22 @@ def test_runs_of_equal_whole_prompts_are_dense():
 
 
 def test_a_length_change_starts_a_new_dense_run():
-    q = [1024, 1024, 2048, 2048, 2048, 700]
-    assert plan_prefill_segments(q, q, 512) == [(0, 2, 1024), (2, 3, 2048), (5, 1, 700)]
+    q = [1024, 1024, 2048, 2048, 2048, 768]
+    assert plan_prefill_segments(q, q, 512) == [(0, 2, 1024), (2, 3, 2048), (5, 1, 768)]
+
+
+def test_lengths_off_the_alignment_stay_varlen():
+    assert backend.PREFILL_CUDNN_ALIGN == 128
+    q = [2048, 2048, 2100, 700, 640]
+    assert plan_prefill_segments(q, q, 512) == [(0, 2, 2048), (2, 2, 0), (4, 1, 640)]
+    assert plan_prefill_segments(q, q, 512, align=1) == [(0, 2, 2048), (2, 1, 2100), (3, 1, 700), (4, 1, 640)]
 
 
 def test_chunks_prefix_hits_and_short_prompts_stay_varlen_together():
-    q = [100, 200, 333, 600, 600, 7]
-    c = [100, 1200, 900, 600, 600, 7]
+    q = [100, 200, 333, 640, 640, 7]
+    c = [100, 1200, 900, 640, 640, 7]
     # 100: a whole prompt under the threshold; 200 of 1200: a later chunk; 333 of 900: a prefix hit
-    assert plan_prefill_segments(q, c, 512) == [(0, 3, 0), (3, 2, 600), (5, 1, 0)]
+    assert plan_prefill_segments(q, c, 512) == [(0, 3, 0), (3, 2, 640), (5, 1, 0)]
 
 
 def test_every_prefill_falls_in_exactly_one_segment():
@@ -37,7 +45,7 @@ def test_every_prefill_falls_in_exactly_one_segment():
         n = int(rng.integers(1, 12))
         q = rng.choice([1, 7, 512, 600, 2048], size=n)
         c = q + rng.choice([0, 0, 0, 64], size=n)
-        segments = plan_prefill_segments(q, c, 512)
+        segments = plan_prefill_segments(q, c, 512, align=1)
         covered = [i for first, count, _ in segments for i in range(first, first + count)]
         assert covered == list(range(n))
         for first, count, length in segments:

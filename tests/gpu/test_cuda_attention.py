@@ -262,11 +262,12 @@ def test_prefill_8b_shape():
     case.check(b, "8B 1x4096 prompt bf16 flash")
 
 
-# Runs of whole prompts of one length from 512 tokens (cuDNN, dense) among chunks, prefix hits,
-# short prompts and decodes (flash varlen / decode kernels): backend.plan_prefill_segments.
-DENSE = [(1, 40), (1, 3000), (600, 600), (600, 600), (600, 600), (200, 1200), (1024, 1024), (512, 512), (512, 512),
-         (100, 100), (333, 900), (700, 700)]
-DENSE_CALLS = [(3, 600), (1, 1024), (2, 512), (1, 700)]
+# Runs of whole prompts of one length from 512 tokens, multiples of 128 (cuDNN, dense) among
+# chunks, prefix hits, short or unaligned prompts and decodes (flash varlen / decode kernels):
+# backend.plan_prefill_segments.
+DENSE = [(1, 40), (1, 3000), (640, 640), (640, 640), (640, 640), (200, 1200), (1024, 1024), (512, 512), (512, 512),
+         (100, 100), (333, 900), (768, 768), (600, 600)]
+DENSE_CALLS = [(3, 640), (1, 1024), (2, 512), (1, 768)]
 
 
 def count_dense_calls(backend) -> list:

@@ -53,8 +53,11 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 # go to cuDNN's fused attention as one dense batch [prompts, heads, length, d] (torch SDPA),
 # ~1.7x FlashAttention 2's varlen forward at 8 x 2048 tokens of Llama-3-8B on an H100; the
 # rest of a step's prefills stay on flash varlen (plan_prefill_segments, docs/CUDA-KERNELS.md).
-# INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN overrides it (0: off).
+# INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN overrides it (0: off). Only lengths that are multiples of
+# PREFILL_CUDNN_ALIGN: cuDNN builds an execution plan per new shape (~35 ms on an H100) and, for a
+# length off its tiles, compiles a kernel too (~500 ms), stalls that arbitrary lengths would bring.
 PREFILL_CUDNN_MIN_LEN = 512
+PREFILL_CUDNN_ALIGN = 128
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
 HOST_TIER_CHUNK = 64
@@ -125,12 +128,13 @@ def default_prefill_cudnn_min_len() -> int:
                           "the shortest whole prompt for cuDNN attention in tokens (0: never)"))
 
 
-def plan_prefill_segments(query_lens, context_lens, min_len: int) -> list[tuple[int, int, int]]:
+def plan_prefill_segments(query_lens, context_lens, min_len: int,
+                          align: int = PREFILL_CUDNN_ALIGN) -> list[tuple[int, int, int]]:
     """A step's prefills (host lengths, in packed order) cut into consecutive segments, each
     one attention call: (first prefill, count, length) where length > 0 marks a run of whole
     prompts (query length == context length: no cached prefix, not a later chunk) all of that
-    length, at least `min_len` tokens (a dense batch for cuDNN), and 0 a run of anything else
-    (flash varlen). min_len 0: one varlen segment of everything."""
+    length, at least `min_len` tokens and a multiple of `align` (a dense batch for cuDNN), and
+    0 a run of anything else (flash varlen). min_len 0: one varlen segment of everything."""
     q = np.asarray(query_lens, dtype=np.int64)
     c = np.asarray(context_lens, dtype=np.int64)
     n = len(q)
@@ -138,7 +142,7 @@ def plan_prefill_segments(query_lens, context_lens, min_len: int) -> list[tuple[
         return []
     if min_len <= 0:
         return [(0, n, 0)]
-    dense_len = np.where((q == c) & (q >= min_len), q, 0)
+    dense_len = np.where((q == c) & (q >= min_len) & (q % max(1, align) == 0), q, 0)
     segments: list[tuple[int, int, int]] = []
     first = 0
     for i in range(1, n + 1):
@@ -941,7 +945,8 @@ class CudaPagedAttention(AttentionBackend):
         segments = None
         if (self._cudnn_ok and self._cudnn_error is None and self.prefill_cudnn_min_len > 0 and not self.sliding_window
                 and md.prefill_query_lens is not None and md.prefill_context_lens is not None):
-            segments = plan_prefill_segments(md.prefill_query_lens, md.prefill_context_lens, self.prefill_cudnn_min_len)
+            segments = plan_prefill_segments(md.prefill_query_lens, md.prefill_context_lens, self.prefill_cudnn_min_len,
+                                             PREFILL_CUDNN_ALIGN)
             if all(length == 0 for _, _, length in segments):
                 segments = None
         if segments is None:  # one varlen call over every prefill
