@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 
 from inflightllm.attention.base import SequenceSlice
 from inflightllm.attention.cuda import CudaPagedAttention
+from perf.probe_prefill_attention import time_ms
 
 
 def parse_case(text: str) -> list[tuple[int, int]]:
@@ -33,21 +33,6 @@ def parse_case(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--cases: {group!r} is not PROMPTSxLENGTH or PROMPTSxLENGTH@CONTEXT")
         specs += [(int(length), int(context or length))] * int(count)
     return specs
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def run_case(text: str, cache: str, iters: int) -> None:
@@ -84,7 +69,7 @@ def run_case(text: str, cache: str, iters: int) -> None:
         backend.forward(0, q, k, v, metadata, out=out)
         torch.cuda.synchronize()
         made = list(calls)
-        ms = timed(lambda: backend.forward(0, q, k, v, metadata, out=out), iters)
+        ms = time_ms(lambda: backend.forward(0, q, k, v, metadata, out=out), iters)
         results[min_len] = out.float().clone()
         print(json.dumps({"case": text, "cache": cache, "min_len": min_len, "ms": round(ms, 4),
                           "dense_calls": made, "packed_q": backend._cudnn_packed_q,
