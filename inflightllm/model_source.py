@@ -68,6 +68,9 @@ class ModelSpec:
     # scales; activations quantized per token at run time). None: as the checkpoint stores
     # them (a pre-quantized FP8 checkpoint loads as FP8 either way: inflightllm.quantization).
     quantization: str | None = None
+    # With quantization "fp8": SmoothQuant's migration strength alpha (0 < alpha <= 1), folded
+    # into the weights before they are quantized (inflightllm.quantization.smoothing). None: off.
+    fp8_smoothing: float | None = None
 
     def to_parameters(self) -> dict[str, str]:
         """Flat string parameters for a Triton config (`model_<field>`); empty ones omitted."""
@@ -81,7 +84,10 @@ class ModelSpec:
             raw = params.get(f"model_{field_.name}")
             if raw is None or raw == "":
                 continue
-            values[field_.name] = int(raw) if field_.name in ("seed", "max_model_len") else raw
+            if field_.name in ("seed", "max_model_len"):
+                values[field_.name] = int(raw)
+            else:
+                values[field_.name] = float(raw) if field_.name == "fp8_smoothing" else raw
         if "source" not in values:
             raise ModelSourceError("config parameter 'model_source' is missing")
         return cls(**values)

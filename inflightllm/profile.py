@@ -53,7 +53,8 @@ TOKENIZER_MAX_BATCH_SIZE = 64
 
 TOP_LEVEL_KEYS = ("name", "description", "model", "device", "instances", "engine", "dynamic_batching")
 MODEL_KEYS = (
-    "source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len", "quantization"
+    "source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len", "quantization",
+    "fp8_smoothing",
 )
 # Keys of `model:` that belong to one source only (source, dtype, max_model_len are common).
 SOURCE_KEYS = {
@@ -329,6 +330,15 @@ def _read_model(reader: _Reader, data: dict) -> ModelSpec:
         )
         if quantization != "none":
             values["quantization"] = quantization
+    if "fp8_smoothing" in section:
+        alpha = reader.number(section["fp8_smoothing"], "model.fp8_smoothing")
+        if not 0.0 <= alpha <= 1.0:
+            reader.fail("model.fp8_smoothing", f"{alpha:g} is out of range: SmoothQuant's alpha, from 0 (off) to 1")
+        if alpha > 0.0:
+            if values.get("quantization") != "fp8":
+                reader.fail("model.fp8_smoothing", "only with model.quantization: fp8 (the smoothing is folded in "
+                                                   "before the weights are quantized at load)")
+            values["fp8_smoothing"] = alpha
     if "tokenizer" in values:
         folder = Path(values["tokenizer"]).expanduser()
         if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):

@@ -3,7 +3,9 @@
 Variants (one process, the same tokens, the same chunking):
 - `base`: the model in its dtype (bf16 by default);
 - `fp8`: FP8 e4m3 weights (per-channel scales) with per-token activation scales;
-- `fp8-kv`: the same plus an FP8 KV cache.
+- `fp8-kv`: the same plus an FP8 KV cache;
+- `fp8-smooth`, `fp8-kv-smooth`: those two with SmoothQuant (alpha 0.5) folded into the
+  weights before they are quantized (`model.fp8_smoothing`, inflightllm.quantization.smoothing).
 
 The text (perf/inputs/coriolanus.txt: the opening of Shakespeare's Coriolanus, public
 domain, ~2,400 SmolLM2 tokens) is fed through the engine's own runner and paged KV cache
@@ -34,7 +36,10 @@ from inflightllm.config import EngineConfig
 from inflightllm.model_source import DEFAULT_MODEL, ModelSpec, load_tokenizer
 
 TEXT = Path(__file__).resolve().parent / "inputs" / "coriolanus.txt"
-VARIANTS = {"base": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8")}
+# name -> (quantization, kv_cache_dtype, SmoothQuant alpha or None)
+VARIANTS = {"base": (None, "auto", None), "fp8": ("fp8", "auto", None), "fp8-kv": ("fp8", "fp8", None),
+            "fp8-smooth": ("fp8", "auto", 0.5), "fp8-kv-smooth": ("fp8", "fp8", 0.5)}
+DEFAULT_VARIANTS = ("base", "fp8", "fp8-kv")
 
 
 def _chunk_logits_cpu(runner, token_ids: list[int], chunk: int):
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--chunk", type=int, default=256, help="tokens per prefill chunk")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
     parser.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens (0: all)")
     parser.add_argument("--out", type=Path, default=None, help="save the figures as JSON here")
     args = parser.parse_args(argv)
@@ -123,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     base = None
     for name in args.variants.split(","):
-        quantization, kv_cache_dtype = VARIANTS[name]
-        spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization)
+        if name not in VARIANTS:
+            parser.error(f"--variants: {name!r} is not a variant; allowed: {', '.join(VARIANTS)}")
+        quantization, kv_cache_dtype, smoothing = VARIANTS[name]
+        spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization, fp8_smoothing=smoothing)
         figures = evaluate(spec, dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype), token_ids, args.chunk)
         ppl = math.exp(float(figures["nll"].mean()))
         entry = {"perplexity": ppl, "tokens": int(figures["nll"].numel()), "seconds": figures["seconds"]}
@@ -134,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["top1_agreement_with_base"] = float((figures["argmax"] == base[1]).double().mean())
         results[name] = entry
     print(f"SmolLM2-135M, {len(token_ids)} tokens of {TEXT.name}, {args.device}, {args.dtype}, chunks of {args.chunk}")
-    print(f"{'variant':<8} {'perplexity':>11} {'vs base':>8} {'top-1 agree':>12} {'seconds':>8}")
+    print(f"{'variant':<14} {'perplexity':>11} {'vs base':>8} {'top-1 agree':>12} {'seconds':>8}")
     for name, entry in results.items():
-        print(f"{name:<8} {entry['perplexity']:>11.4f} {entry['ratio_to_base']:>8.4f} "
+        print(f"{name:<14} {entry['perplexity']:>11.4f} {entry['ratio_to_base']:>8.4f} "
               f"{entry['top1_agreement_with_base']:>12.4f} {entry['seconds']:>8.1f}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

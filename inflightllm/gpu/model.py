@@ -25,6 +25,7 @@ from inflightllm.models.loader import (
     eos_token_ids,
     read_quantized_tensors,
     sampleable_vocab_size,
+    smooth_before_quantizing,
 )
 from inflightllm.quantization.fp8 import FP8_DTYPE, quantize_per_channel
 from inflightllm.quantization.schemes import detect
@@ -573,6 +574,8 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     else:
         model.load_safetensors(folder)
     if quantization == "fp8":
+        if scheme is None and spec.fp8_smoothing:
+            smooth_before_quantizing(model.hf_state_dict(), arch, spec)
         model.quantize_fp8()
     torch.cuda.synchronize(device)
     size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())

@@ -125,6 +125,18 @@ def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) 
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
 
 
+def smooth_before_quantizing(weights: dict[str, torch.Tensor], arch, spec: ModelSpec) -> None:
+    """SmoothQuant folded into the 16-bit weights (Hugging Face names), calibrated on the
+    package's calibration text with the model's tokenizer (inflightllm.quantization.smoothing)."""
+    from inflightllm.model_source import load_tokenizer, tokenizer_spec
+    from inflightllm.quantization.smoothing import calibration_ids, smooth_model_weights
+
+    tokenizer = load_tokenizer(tokenizer_spec(spec) if spec.source == "random" else spec)
+    # (a random-weight shape may have fewer ids than the tokenizer it borrows)
+    ids = [token for token in calibration_ids(tokenizer) if token < arch.vocab_size]
+    smooth_model_weights(weights, arch, ids, float(spec.fp8_smoothing))
+
+
 def quantize_linears(model: LlamaForCausalLM) -> None:
     """FP8 at load: every decoder linear (q/k/v/o, gate/up/down) becomes an `Fp8Linear`
     with per-output-channel scales; embeddings, norms and the LM head stay as they are."""
@@ -233,6 +245,8 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
     else:
         _load_safetensors(model, folder, device)
     if scheme is None and spec.quantization == "fp8":
+        if spec.fp8_smoothing:
+            smooth_before_quantizing(dict(model.named_parameters()), arch, spec)
         quantize_linears(model)
     # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
     model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)

@@ -166,8 +166,9 @@ class Fp8Reference:
         return torch.topk(logits, k).indices.tolist()
 
 
-def test_fp8_engine_follows_the_emulation():
-    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8")
+@pytest.mark.parametrize("smoothing", [None, 0.5], ids=["plain", "smoothquant"])
+def test_fp8_engine_follows_the_emulation(smoothing):
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8", fp8_smoothing=smoothing)
     engine = Engine(spec, gpu_config(), sampler_seed=0)
     assert engine.loaded.quantization == "fp8" and engine.loaded.model.fp8
     assert engine.loaded.model.layers[0]["qkv"].dtype == FP8_DTYPE
@@ -187,6 +188,26 @@ def test_fp8_engine_follows_the_emulation():
     # (not all equal: one-token steps take the small-batch kernels, which keep activations in
     # bf16, W8A16, where the emulation quantizes them; and bf16 ties)
     print(f"fp8: {equal} of {len(prompts)} sequences equal the emulation's greedy ids; the rest within top-5")
+
+
+def test_smoothing_on_the_gpu_folds_what_the_cpu_folds():
+    """SmoothQuant at load (model.fp8_smoothing) on the GPU model's fused tensors: the smoothed
+    norms and e4m3 weights within bf16 rounding of the CPU loader's (the calibration forward
+    runs on each device), and different from the unsmoothed ones."""
+    from inflightllm.models.loader import load_model
+
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8", fp8_smoothing=0.5)
+    gpu = Engine(spec, gpu_config(), sampler_seed=0).loaded.model
+    cpu = load_model(spec).model
+    plain = load_model(dataclasses.replace(spec, fp8_smoothing=None)).model
+    for index in (0, len(gpu.layers) - 1):
+        cpu_layer = cpu.model.layers[index]
+        for fused, norm in (("input_norm", cpu_layer.input_layernorm), ("post_norm", cpu_layer.post_attention_layernorm)):
+            torch.testing.assert_close(gpu.layers[index][fused].float().cpu(), norm.weight.float(), rtol=2e-2, atol=1e-3)
+        assert not torch.equal(cpu_layer.input_layernorm.weight, plain.model.layers[index].input_layernorm.weight)
+        down = gpu.layers[index]["down"].float().cpu() * gpu.layers[index]["down_scale"].float().cpu().view(-1, 1)
+        expected = cpu_layer.mlp.down_proj.weight.float() * cpu_layer.mlp.down_proj.weight_scale.view(-1, 1)
+        assert float((down - expected).norm() / expected.norm()) < 5e-2
 
 
 def test_compressed_tensors_checkpoint_loads_on_the_gpu(tmp_path):
