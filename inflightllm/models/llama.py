@@ -133,6 +133,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, back to the input's dtype, times the weight."""
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -140,11 +149,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden.to(input_dtype)
+        return rms_norm(hidden, self.weight, self.variance_epsilon)
 
 
 class Attention(nn.Module):

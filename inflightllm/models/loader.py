@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from inflightllm.model_source import ModelSpec, prepare
+from inflightllm.model_source import ModelSpec, load_tokenizer, prepare, tokenizer_spec
 from inflightllm.models.llama import LlamaArch, LlamaForCausalLM, rope_inverse_frequencies
 from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear
 from inflightllm.quantization.schemes import (
@@ -128,7 +128,6 @@ def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) 
 def smooth_before_quantizing(weights: dict[str, torch.Tensor], arch, spec: ModelSpec) -> None:
     """SmoothQuant folded into the 16-bit weights (Hugging Face names), calibrated on the
     package's calibration text with the model's tokenizer (inflightllm.quantization.smoothing)."""
-    from inflightllm.model_source import load_tokenizer, tokenizer_spec
     from inflightllm.quantization.smoothing import calibration_ids, smooth_model_weights
 
     tokenizer = load_tokenizer(tokenizer_spec(spec) if spec.source == "random" else spec)

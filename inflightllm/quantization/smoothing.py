@@ -31,18 +31,12 @@ from pathlib import Path
 
 import torch
 
-from inflightllm.models.llama import LlamaArch, apply_rotary, rope_inverse_frequencies
+from inflightllm.models.llama import LlamaArch, RotaryEmbedding, apply_rotary, rms_norm
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "calibration.txt"
 CALIBRATION_TOKENS = 4096
 CALIBRATION_CHUNK = 512  # tokens a forward (each chunk attends to itself only)
 MIN_VALUE = 1e-5  # floor of a channel's maxima and of s (a dead channel keeps a finite scale)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -58,7 +52,7 @@ def activation_maxima(weights: dict[str, torch.Tensor], arch: LlamaArch, token_i
     `weights`: Hugging Face names -> tensors (16-bit, on one device), a Llama decoder."""
     embed = weights["model.embed_tokens.weight"]
     device, dtype = embed.device, embed.dtype
-    inv_freq = rope_inverse_frequencies(arch).to(device)
+    rotary = RotaryEmbedding(arch)
     h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     maxima = [{} for _ in range(arch.num_layers)]
 
@@ -69,14 +63,11 @@ def activation_maxima(weights: dict[str, torch.Tensor], arch: LlamaArch, token_i
     for start in range(0, len(token_ids), chunk):
         ids = torch.tensor(token_ids[start : start + chunk], dtype=torch.int64, device=device)
         n = len(ids)
-        positions = torch.arange(n, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = rotary(torch.arange(n, device=device), dtype)
         hidden = embed[ids]
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            x = _rms_norm(hidden, weights[p + "input_layernorm.weight"], arch.rms_norm_eps)
+            x = rms_norm(hidden, weights[p + "input_layernorm.weight"], arch.rms_norm_eps)
             record(i, "qkv", x)
             q = apply_rotary(_linear(x, weights, p + "self_attn.q_proj").view(n, h, d), cos, sin)
             k = apply_rotary(_linear(x, weights, p + "self_attn.k_proj").view(n, kvh, d), cos, sin)
@@ -85,7 +76,7 @@ def activation_maxima(weights: dict[str, torch.Tensor], arch: LlamaArch, token_i
                 q.transpose(0, 1), k.repeat_interleave(h // kvh, 1).transpose(0, 1),
                 v.repeat_interleave(h // kvh, 1).transpose(0, 1), is_causal=True, scale=d**-0.5)
             hidden = hidden + _linear(attn.transpose(0, 1).reshape(n, h * d), weights, p + "self_attn.o_proj")
-            x = _rms_norm(hidden, weights[p + "post_attention_layernorm.weight"], arch.rms_norm_eps)
+            x = rms_norm(hidden, weights[p + "post_attention_layernorm.weight"], arch.rms_norm_eps)
             record(i, "gate_up", x)
             act = torch.nn.functional.silu(_linear(x, weights, p + "mlp.gate_proj")) * _linear(x, weights, p + "mlp.up_proj")
             record(i, "down", act)
