@@ -268,7 +268,7 @@ def _gguf_metadata_config(spec: ModelSpec) -> dict:
     cache_dir = _gguf_cache_dir(spec)
     cached = cache_dir.parent / (cache_dir.name + ".dims.json")
     if cached.is_file():
-        return json.loads(cached.read_text())
+        return json.loads(cached.read_text(encoding="utf-8"))
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path(spec))
@@ -303,11 +303,11 @@ def hf_config(spec: ModelSpec) -> dict:
         except KeyError as error:
             raise ModelSourceError(f"model.shape: {error.args[0]}") from None
     if spec.source == "hf_folder":
-        return json.loads((prepare(spec) / "config.json").read_text())
+        return json.loads((prepare(spec) / "config.json").read_text(encoding="utf-8"))
     if spec.source == "gguf_package":
         prepared = _gguf_cache_dir(spec) / "config.json"
         if prepared.is_file():
-            return json.loads(prepared.read_text())
+            return json.loads(prepared.read_text(encoding="utf-8"))
         return _gguf_metadata_config(spec)
     raise ModelSourceError(f"model.source: {spec.source!r} is not one of {', '.join(SOURCES)}")
 
@@ -357,10 +357,12 @@ def kv_element_bytes(dtype: str, kv_cache_dtype: str = "auto") -> int:
 
 
 def load_tokenizer(spec: ModelSpec):
-    """The model's tokenizer (a transformers fast tokenizer) from the prepared folder."""
+    """The model's tokenizer (a transformers fast tokenizer) from its tokenizer folder
+    (`prepare_tokenizer`: for a GGUF package the seeded tokenizer cache serves without the
+    package or its weights, as on a GPU host that has only the bundle's part 1)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(prepare(spec))
+    return AutoTokenizer.from_pretrained(prepare_tokenizer(spec))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,7 +155,7 @@ def load_profile(path) -> Profile:
     """Read, parse and validate a profile YAML file; raises ProfileError."""
     file = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         problem = f"cannot read the profile: {error.strerror or error}"
         if isinstance(error, FileNotFoundError):

@@ -7,6 +7,7 @@ emulation)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from inflightllm.model_source import DEFAULT_MODEL, ModelSpec
 from inflightllm.models.llama import LlamaArch
 from inflightllm.models.shapes import shape_config
 from inflightllm.quantization.smoothing import activation_maxima, smooth_weights, smoothing_scales
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_model(mlp_bias: bool = False):
@@ -143,3 +146,48 @@ def test_a_random_weight_model_smooths_and_generates():
     result = LLM(spec, engine=engine, load_tokenizer_too=False).generate(
         [[11, 400, 900, 33, 7]], [SamplingParams(max_tokens=6, ignore_eos=True)])[0]
     assert len(result.token_ids) == 6
+
+
+@pytest.mark.server
+def test_smoothing_runs_in_the_engine_models_stub(tmp_path, smollm2_tokenizer):
+    """A profile with `fp8_smoothing` served by the real tritonserver: the calibration forward
+    runs inside the Python backend's stub (whose interpreter decodes files as ASCII unless told
+    otherwise: the calibration text must be read as UTF-8), and the served greedy ids equal
+    the same spec's engine in process."""
+    import yaml
+
+    from inflightllm.engine import Engine
+    from inflightllm.llm import LLM
+    from inflightllm.profile import load_profile
+    from inflightllm.sampling_params import SamplingParams
+    from tests.conftest import start_triton_server
+    from tests.ensemble_client import run_stream_requests
+    from tools.render_configs import render
+
+    data = yaml.safe_load((REPO_ROOT / "profiles" / "tiny-llama3-tp2-cpu.yaml").read_text(encoding="utf-8"))
+    data["name"] = "tiny-llama3-fp8-smooth-cpu"
+    data["device"]["tensor_parallel_size"] = 1
+    data["model"].update(quantization="fp8", fp8_smoothing=0.5)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    profile = load_profile(path)
+    render(profile, tmp_path / "repo")
+    texts, max_tokens = ["The capital of France is", "Once upon a time"], [10, 6]
+    server = start_triton_server(tmp_path / "repo", timeout=600.0)
+    try:
+        results = run_stream_requests(
+            server.grpc_url,
+            [{"text_input": t, "max_tokens": n, "stream": False, "exclude_input_in_output": True}
+             for t, n in zip(texts, max_tokens)],
+            num_streams=len(texts),
+        )
+    finally:
+        server.stop()
+    assert all(r.error is None for r in results), [r.error for r in results]
+    served = [r.last("output_ids").reshape(-1).tolist() for r in results]
+    engine = Engine(profile.model, profile.engine, sampler_seed=0)
+    prompts = [smollm2_tokenizer.encode(text, add_special_tokens=True) for text in texts]
+    expected = LLM(profile.model, engine=engine, load_tokenizer_too=False).generate(
+        prompts, [SamplingParams(max_tokens=n) for n in max_tokens]
+    )
+    assert served == [r.token_ids for r in expected]

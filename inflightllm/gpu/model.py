@@ -548,7 +548,7 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     torch.cuda.set_device(device)
     dtype = TORCH_DTYPES[spec.dtype]
     folder = prepare(spec)
-    hf_config = json.loads((folder / "config.json").read_text())
+    hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = LlamaArch.from_config(hf_config)
     scheme = detect(folder, hf_config) if spec.source == "hf_folder" else None
     quantization = "fp8" if scheme is not None or spec.quantization == "fp8" else None

@@ -47,7 +47,7 @@ SOURCE = Path(__file__).with_name("layers.cu")
 def _source() -> str:
     from inflightllm.gpu.pdl import with_pdl
 
-    return with_pdl(SOURCE.read_text())
+    return with_pdl(SOURCE.read_text(encoding="utf-8"))
 
 
 @functools.cache

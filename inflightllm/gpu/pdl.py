@@ -113,7 +113,7 @@ def _driver():
 def with_pdl(source: str) -> str:
     """A kernel source with the device helpers (pdl.cuh) before it: prepended rather than
     #included, so that CuPy's compile cache, keyed by the source text, sees them change."""
-    return DEVICE_SOURCE.read_text() + "\n" + source
+    return DEVICE_SOURCE.read_text(encoding="utf-8") + "\n" + source
 
 
 @functools.cache

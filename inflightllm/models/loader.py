@@ -47,7 +47,7 @@ def eos_token_ids(folder: Path, config: dict) -> frozenset[int]:
     value = None
     generation = folder / "generation_config.json"
     if generation.is_file():
-        value = json.loads(generation.read_text()).get("eos_token_id")
+        value = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
     if value is None:
         value = config.get("eos_token_id")
     if value is None:
@@ -228,7 +228,7 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
     device = torch.device(device)
     dtype = TORCH_DTYPES[spec.dtype]
     folder = prepare(spec)
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = LlamaArch.from_config(config)
     scheme = detect(folder, config) if spec.source == "hf_folder" else None
     with torch.device("meta"):

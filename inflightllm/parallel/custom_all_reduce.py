@@ -65,7 +65,7 @@ def _module(device: int):
 
     names = [f"one_shot_all_reduce<{ctype}>" for ctype in _DTYPES.values()]
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=with_pdl(SOURCE.read_text()), options=("-std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=with_pdl(SOURCE.read_text(encoding="utf-8")), options=("-std=c++17",), name_expressions=names)
         module.compile()
     return module
 

@@ -154,12 +154,12 @@ def detect(folder: Path, config: dict | None = None) -> CheckpointQuantization |
     """The checkpoint's quantization scheme, None for an unquantized checkpoint; raises
     UnsupportedQuantization naming any other declared scheme."""
     if config is None:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config")
     if quant is None:
         hf_quant = Path(folder) / "hf_quant_config.json"
         if hf_quant.is_file():
-            data = json.loads(hf_quant.read_text())
+            data = json.loads(hf_quant.read_text(encoding="utf-8"))
             producer = (data.get("producer") or {}).get("name", "modelopt")
             if producer != "modelopt":
                 raise _fail(f"hf_quant_config.json from producer {producer!r} is not supported")

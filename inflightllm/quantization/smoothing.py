@@ -118,7 +118,7 @@ def smooth_weights(weights: dict[str, torch.Tensor], arch: LlamaArch, maxima: li
 
 def calibration_ids(tokenizer, limit: int = CALIBRATION_TOKENS) -> list[int]:
     """The shipped calibration text's first `limit` token ids."""
-    return list(tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:limit])
+    return list(tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"))["input_ids"][:limit])
 
 
 def smooth_model_weights(weights: dict[str, torch.Tensor], arch: LlamaArch, token_ids: list[int], alpha: float) -> None:

@@ -161,9 +161,11 @@ class Fp8Reference:
         )[0, len(prompt):].tolist()
 
     @torch.inference_mode()
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([tokens], device=self.model.device)).logits[0, -1].float()
+
     def top_ids(self, tokens: list[int], k: int = 5) -> list[int]:
-        logits = self.model(torch.tensor([tokens], device=self.model.device)).logits[0, -1].float()
-        return torch.topk(logits, k).indices.tolist()
+        return torch.topk(self.logits(tokens), k).indices.tolist()
 
 
 @pytest.mark.parametrize("smoothing", [None, 0.5], ids=["plain", "smoothquant"])
@@ -182,9 +184,15 @@ def test_fp8_engine_follows_the_emulation(smoothing):
             equal += 1
             continue
         first = next(i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b)
-        assert result.token_ids[first] in reference.top_ids(prompt + expected[:first], 5), (
-            f"ours {result.token_ids[first]} not in the emulation's top-5 at output position {first}"
-        )
+        ours = result.token_ids[first]
+        if ours not in reference.top_ids(prompt + expected[:first], 5):
+            logits = reference.logits(prompt + expected[:first])
+            rank = int((logits > logits[ours]).sum())
+            pytest.fail(
+                f"ours {ours} not in the emulation's top-5 at output position {first} (prompt of "
+                f"{len(prompt)} tokens): its rank there {rank}, logit {float(logits[ours]):.3f} against the "
+                f"top {float(logits.max()):.3f} ({int(logits.argmax())}); {equal} sequence(s) equal before it"
+            )
     # (not all equal: one-token steps take the small-batch kernels, which keep activations in
     # bf16, W8A16, where the emulation quantizes them; and bf16 ties)
     print(f"fp8: {equal} of {len(prompts)} sequences equal the emulation's greedy ids; the rest within top-5")

@@ -172,7 +172,7 @@ def decode_dynamic_smem(variant: str, maxg: int, slice_bytes: int = 16) -> int:
 def _source() -> str:
     from inflightllm.gpu.pdl import with_pdl
 
-    return with_pdl(KERNEL_SOURCE.read_text())
+    return with_pdl(KERNEL_SOURCE.read_text(encoding="utf-8"))
 
 
 def _raw_module(names: tuple[str, ...], options: tuple[str, ...] = ()):
