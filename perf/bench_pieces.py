@@ -239,14 +239,14 @@ def postprocessing_counts(url: str) -> tuple[int, int]:
 
 
 def run_series(series: Series, concurrencies: list[int], processes: int) -> dict:
-    from inflightllm.model_source import prepare_tokenizer, tokenizer_spec
+    from inflightllm.model_source import prepare_tokenizer
     from perf.servers import serve_profile
 
     points = []
     with serve_profile(REPO_ROOT / series.profile, timeout=600.0,
                        postprocessing_dynamic_batching=series.postprocessing_dynamic_batching) as served:
         spec = served.profile.model
-        tokenizer_dir = str(prepare_tokenizer(tokenizer_spec(spec) if spec.source == "random" else spec))
+        tokenizer_dir = str(prepare_tokenizer(spec))  # a random shape's folder holds its tokenizer
         url = served.server.grpc_url
         first_index = 0
         for concurrency in concurrencies:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from inflightllm.model_source import ModelSpec, load_tokenizer, prepare, tokenizer_spec
+from inflightllm.model_source import ModelSpec, load_tokenizer, prepare
 from inflightllm.models.llama import LlamaArch, LlamaForCausalLM, rope_inverse_frequencies
 from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear
 from inflightllm.quantization.schemes import (
@@ -130,7 +130,7 @@ def smooth_before_quantizing(weights: dict[str, torch.Tensor], arch, spec: Model
     package's calibration text with the model's tokenizer (inflightllm.quantization.smoothing)."""
     from inflightllm.quantization.smoothing import calibration_ids, smooth_model_weights
 
-    tokenizer = load_tokenizer(tokenizer_spec(spec) if spec.source == "random" else spec)
+    tokenizer = load_tokenizer(spec)  # a random-weight shape's folder holds its borrowed tokenizer
     # (a random-weight shape may have fewer ids than the tokenizer it borrows)
     ids = [token for token in calibration_ids(tokenizer) if token < arch.vocab_size]
     smooth_model_weights(weights, arch, ids, float(spec.fp8_smoothing))
