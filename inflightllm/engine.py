@@ -36,6 +36,7 @@ from inflightllm.sampling_params import InvalidRequestError, SamplingParams
 from inflightllm.scheduler import Scheduler, SchedulerOutput
 from inflightllm.sequence_group import GroupParams, SequenceGroup
 from inflightllm.step import CachedRequestData, NewRequestData, StepDescription
+from inflightllm.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +308,7 @@ class Engine:
         # their next masks filled in one batch, `_advance_grammars`, part of emit).
         self.host_seconds = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "emit": 0.0, "beam": 0.0,
                              "masks": 0.0, "advance": 0.0, "steps": 0}
+        self._trace = StepTrace.from_env()  # None unless INFLIGHTLLM_STEP_TRACE names a folder
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of waiting requests' queue deadlines
         self._deadline_seq = 0
         # Structured output: the grammar compiler (made with the first constrained request)
@@ -444,6 +446,8 @@ class Engine:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (request.deadline, self._deadline_seq, request))
         self.requests[request.request_id] = request
+        if self._trace is not None:
+            self._trace.added += 1
         if params.guided is not None:  # queued here until its grammar is compiled
             request.grammar_future = self.grammar_compiler().submit(params.guided)
             self._compiling.append(request)
@@ -829,6 +833,18 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration (`_step`), recorded by the step trace when it is on
+        (`INFLIGHTLLM_STEP_TRACE`, inflightllm/step_trace.py)."""
+        trace = self._trace
+        if trace is None:
+            return self._step()
+        started = trace.begin(self.host_seconds)
+        outputs = self._step()
+        trace.end(started, self.host_seconds, self._counters.tokens_last_step, len(self.scheduler.running),
+                  len(self.scheduler.waiting), len(outputs))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """One engine iteration. Synchronous: schedule, run, sample, emit. Asynchronous
         (`async_scheduling`, GPU): schedule and launch step N+1 first, then wait for step
         N's sampled tokens and emit them, so the host work between steps overlaps the GPU."""

@@ -3,7 +3,10 @@
 # llama3-8b-h200, 1,024 x 128/128) with and without the response sender's pause, each run
 # with its own server, in the order given, plus one engine-only run to compare against:
 #   base: the default (no pause); y<us>: INFLIGHTLLM_SENDER_YIELD_US=<us>; w<pieces>:
-#   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py).
+#   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py);
+#   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread).
+#   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
+#   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE).
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
 #   OUT=$OUT PROFILE=profiles/llama3-8b-fp8-h200.yaml VARIANTS="base w16 w32 base" bash perf/run_sender_gil_ab.sh
 # Writes $OUT/<variant>/bench_gpu_server-*.{json,md} and $OUT/summary.txt.
@@ -11,21 +14,29 @@ set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 PROFILE="${PROFILE:-profiles/llama3-8b-h200.yaml}"
 VARIANTS="${VARIANTS:-base y200 base y200}"
+PHASES="${PHASES:-stream}"
+case " $PHASES " in *" nostream "*) skip_phases=engine,transformers ;; *) skip_phases=engine,transformers,nostream ;; esac
+case " $PHASES " in *" stream "*) ;; *) skip_phases="$skip_phases,stream" ;; esac
 note "run_sender_gil_ab: $(date -u '+%Y-%m-%d %H:%M UTC'), $PROFILE, variants: $VARIANTS"
 install_bundle
-step engine 200 "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
+engine_env=()
+[ "${TRACE:-0}" = 1 ] && engine_env=(INFLIGHTLLM_STEP_TRACE="$OUT/engine/trace")
+step engine 200 env "${engine_env[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
   --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip transformers,nostream,stream
 for variant in $VARIANTS; do
   case "$variant" in
     base) env_args=() ;;
     y*) env_args=(INFLIGHTLLM_SENDER_YIELD_US="${variant#y}") ;;
     w*) env_args=(INFLIGHTLLM_PIECE_WINDOW="${variant#w}") ;;
+    m0) env_args=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
     *) note "unknown variant $variant"; continue ;;
   esac
+  [ "${TRACE:-0}" = 1 ] && env_args+=(INFLIGHTLLM_STEP_TRACE="$OUT/$variant/trace")
   step "stream-$variant" 200 env "${env_args[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
     --out "$OUT/$variant" --server-log-dir "$OUT/logs-$variant" --max-seconds 180 --server-timeout 240 \
-    --skip engine,transformers,nostream
-  note "$variant: $(sed -n '/stream=true/p' "$OUT/$variant"/bench_gpu_server-*.md 2>/dev/null | head -1)"
+    --skip "$skip_phases"
+  mkdir -p "$OUT/$variant/runs" && cp "$OUT/$variant"/bench_gpu_server-*.json "$OUT/$variant/runs/$SECONDS.json" 2>/dev/null
+  note "$variant: $(grep -E '^- \((b|c)\)' "$OUT/$variant"/bench_gpu_server-*.md 2>/dev/null | tr '\n' ' ')"
 done
 echo "=== engine-only"
 sed -n '/^| system/,$p' "$OUT"/engine/bench_gpu_server-*.md 2>/dev/null

@@ -100,6 +100,48 @@ def test_vllm_aliases_follow_our_figures():
     }
 
 
+def test_background_observer_observes_the_same_off_the_callers_thread():
+    """background=True (the engine model): update() queues the finished requests and returns;
+    a thread of its own makes their metric calls, one increment a finish reason and step
+    batch, with the same values as the synchronous path. The stats-derived series are set
+    in update() itself."""
+    import threading
+
+    _Family.created = {}
+    release = threading.Event()
+    callers: list[str] = []
+    metrics = EngineMetrics(_PbUtils, model_name="engine", background=True)
+    ttft = _Family.created["inflightllm_time_to_first_token_seconds"].metrics[0]
+    observe = ttft.observe
+
+    def slow_observe(value):  # an IPC round trip that has not returned yet
+        callers.append(threading.current_thread().name)
+        release.wait(10)
+        observe(value)
+
+    ttft.observe = slow_observe
+    metrics.update(_stats(), [])
+    outputs = [_finished(FinishReason.STOP, 10, 7), _finished(FinishReason.STOP, 3, 2),
+               _finished(FinishReason.LENGTH, 5, 4)]
+    metrics.update(_stats(num_running=0, generation_tokens_total=23), outputs)
+    # returned while the observer waits in its first call; the stats series are already set
+    assert _value("inflightllm_requests", state="running") == 0 and _value("vllm:generation_tokens_total") == 23
+    assert not metrics.flush(timeout_s=0.2)
+    release.set()
+    assert metrics.flush(timeout_s=10)
+    assert set(callers) == {"inflightllm-metrics"}
+    assert ttft.observations == [0.2, 0.2, 0.2]
+    assert _value("inflightllm_request_finished_total", finish_reason="stop") == 2
+    assert _value("inflightllm_request_finished_total", finish_reason="length") == 1
+    assert _value("vllm:request_success_total", finished_reason="stop") == 2
+    assert _Family.created["vllm:request_generation_tokens"].metrics[0].observations == [7, 2, 4]
+    finished = _Family.created["inflightllm_request_finished_total"].metrics
+    assert sum(metric.calls for metric in finished) == 2  # one increment a reason
+    metrics.close()
+    metrics.update(_stats(), [_finished(FinishReason.STOP, 1, 1)])  # after close (finalize): queued, never observed
+    assert _value("inflightllm_request_finished_total", finish_reason="stop") == 2
+
+
 def test_kv_pressure_counters_follow_the_stats():
     _Family.created = {}
     metrics = EngineMetrics(_PbUtils, model_name="engine")
@@ -135,7 +177,6 @@ def test_host_kv_tier_series_follow_the_engine_stats():
     assert _value("inflightllm_prefix_cache_host_hits_total") == 80
 
 
-@pytest.mark.server
 def _calls() -> int:
     return sum(metric.calls for family in _Family.created.values() for metric in family.metrics)
 
@@ -159,6 +200,7 @@ def test_a_step_that_changes_nothing_costs_no_metric_call_and_a_change_costs_one
     assert _value("inflightllm_kv_cache_blocks", state="total") == 100
 
 
+@pytest.mark.server
 def test_vllm_names_on_the_metrics_port(model_repo_server):
     from inflightllm.client import chat_messages, stream_generate
 

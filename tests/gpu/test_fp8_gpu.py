@@ -200,21 +200,34 @@ def test_fp8_engine_follows_the_emulation(smoothing):
 
 def test_smoothing_on_the_gpu_folds_what_the_cpu_folds():
     """SmoothQuant at load (model.fp8_smoothing) on the GPU model's fused tensors: the smoothed
-    norms and e4m3 weights within bf16 rounding of the CPU loader's (the calibration forward
-    runs on each device), and different from the unsmoothed ones."""
-    from inflightllm.models.loader import load_model
+    norms and e4m3 weights within bf16 rounding of what the CPU code folds from the same
+    16-bit weights (the calibration forward runs on each device), and different from the
+    unsmoothed ones. The same weights: the GPU model's own before smoothing (random weights are
+    drawn on the GPU, so the CPU loader's random model is another model)."""
+    from inflightllm.gpu.model import load_gpu_model
+    from inflightllm.models.loader import load_tokenizer
+    from inflightllm.quantization.fp8 import quantize_per_channel
+    from inflightllm.quantization.smoothing import calibration_ids, smooth_model_weights
 
     spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8", fp8_smoothing=0.5)
-    gpu = Engine(spec, gpu_config(), sampler_seed=0).loaded.model
-    cpu = load_model(spec).model
-    plain = load_model(dataclasses.replace(spec, fp8_smoothing=None)).model
-    for index in (0, len(gpu.layers) - 1):
-        cpu_layer = cpu.model.layers[index]
-        for fused, norm in (("input_norm", cpu_layer.input_layernorm), ("post_norm", cpu_layer.post_attention_layernorm)):
-            torch.testing.assert_close(gpu.layers[index][fused].float().cpu(), norm.weight.float(), rtol=2e-2, atol=1e-3)
-        assert not torch.equal(cpu_layer.input_layernorm.weight, plain.model.layers[index].input_layernorm.weight)
+    config = gpu_config()
+    unsmoothed = load_gpu_model(dataclasses.replace(spec, quantization=None, fp8_smoothing=None), config)
+    weights = {name: tensor.detach().cpu().clone() for name, tensor in unsmoothed.model.hf_state_dict().items()}
+    arch = unsmoothed.arch
+    del unsmoothed
+    plain = {name: tensor.clone() for name, tensor in weights.items()}
+    ids = [token for token in calibration_ids(load_tokenizer(spec)) if token < arch.vocab_size]
+    smooth_model_weights(weights, arch, ids, 0.5)  # the CPU's fold (the model's dtype, on the CPU)
+    gpu = load_gpu_model(spec, config).model
+    for index in (0, arch.num_layers - 1):
+        p = f"model.layers.{index}."
+        for fused, norm in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm")):
+            torch.testing.assert_close(gpu.layers[index][fused].float().cpu(), weights[p + norm + ".weight"].float(),
+                                       rtol=1e-2, atol=1e-3)
+            assert not torch.equal(weights[p + norm + ".weight"], plain[p + norm + ".weight"])
         down = gpu.layers[index]["down"].float().cpu() * gpu.layers[index]["down_scale"].float().cpu().view(-1, 1)
-        expected = cpu_layer.mlp.down_proj.weight.float() * cpu_layer.mlp.down_proj.weight_scale.view(-1, 1)
+        down_q, down_scale = quantize_per_channel(weights[p + "mlp.down_proj.weight"])
+        expected = down_q.float() * down_scale.float().view(-1, 1)
         assert float((down - expected).norm() / expected.norm()) < 5e-2
 
 

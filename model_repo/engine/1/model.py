@@ -12,6 +12,7 @@ cannot see itself (Triton 2.51 marks only the next step's requests cancelled).
 import gc
 import json
 import logging
+import os
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -65,7 +66,10 @@ class TritonPythonModel:
         self.placement = PlacementMetrics(
             pb_utils, args["model_name"], args.get("model_instance_name", ""), place.get("device", "cpu")
         )
-        self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"])
+        # Finished requests' histograms on a thread of their own (inflightllm/metrics.py);
+        # INFLIGHTLLM_METRICS_BACKGROUND=0 keeps them on the loop's thread (for A/B runs).
+        background = os.environ.get("INFLIGHTLLM_METRICS_BACKGROUND", "1").strip() != "0"
+        self.metrics = EngineMetrics(pb_utils, model_name=args["model_name"], background=background)
         # The objects built so far (torch, the model, the tokenizer's files) live as long as
         # the process: frozen, Python's garbage collector stops rescanning them in every
         # full collection that the loop's per-step allocations trigger (as vLLM does).
@@ -124,6 +128,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+        self.metrics.close()
         if self.ledger is not None:
             self.ledger.close()
         shutdown = getattr(self.runner, "shutdown", None)
