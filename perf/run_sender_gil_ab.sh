@@ -4,7 +4,8 @@
 # with its own server, in the order given, plus one engine-only run to compare against:
 #   base: the default (no pause); y<us>: INFLIGHTLLM_SENDER_YIELD_US=<us>; w<pieces>:
 #   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py);
-#   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread).
+#   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread);
+#   t<ms>: INFLIGHTLLM_PIECE_MAX_WAIT_MS=<ms> (the sender's longest wait for room).
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
 #   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE).
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
@@ -29,6 +30,7 @@ for variant in $VARIANTS; do
     y*) env_args=(INFLIGHTLLM_SENDER_YIELD_US="${variant#y}") ;;
     w*) env_args=(INFLIGHTLLM_PIECE_WINDOW="${variant#w}") ;;
     m0) env_args=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
+    t*) env_args=(INFLIGHTLLM_PIECE_MAX_WAIT_MS="${variant#t}") ;;
     *) note "unknown variant $variant"; continue ;;
   esac
   [ "${TRACE:-0}" = 1 ] && env_args+=(INFLIGHTLLM_STEP_TRACE="$OUT/$variant/trace")

@@ -5,7 +5,12 @@
 2. The bundle's tritonserver serves the same profile (tokenizer models in the NumPy < 2
    environment, the engine on the GPU); N concurrent gRPC streams ask the same
    questions through the ensemble. Each answer's streamed pieces must concatenate to
-   its final text, and that text must equal the offline answer.
+   its final text, and that text must equal the offline answer. With FP8 weights
+   (`model.quantization: fp8`) up to a tenth of the answers may diverge from the offline
+   ones after their first few words, and are listed as such: the engine's numerics depend
+   on the step's batch (one-token steps keep activations in bf16, W8A16; steps of several
+   rows quantize them per token, W8A8), so near-ties can go the other way when the
+   server's requests meet in other steps than the offline run's (docs/QUANTIZATION.md).
 3. Optionally (`--also-profile`), a second profile (e.g. the 8B shape) is served and
    answers N concurrent streams; its throughput and TTFT are printed.
 
@@ -141,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     expected = offline_answers(profile, prompts, args.max_tokens)
     print(f"{profile.name}: offline engine answered {len(expected)} questions in {time.perf_counter() - start:.1f} s",
           flush=True)
-    failures = 0
+    failures = diverged = 0
+    # FP8: batch-dependent numerics (see the docstring); a diverged answer must still agree
+    # on its first words, and no more than a tenth may diverge.
+    quantized = getattr(profile.model, "quantization", None) == "fp8"
+    allowed = args.requests // 10 if quantized else 0
     server = serve(profile, args, tokenizer_env, server_dir, "tritonserver.log")
     try:
         results, pieces, elapsed = concurrent_streams(server.grpc_url, prompts, args.max_tokens)
@@ -151,12 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(result, Exception):
             failures += 1
             print(f"  stream {index}: ERROR {result}")
-        elif "".join(streamed) != result.text or result.text != want:
+        elif "".join(streamed) != result.text:
             failures += 1
-            print(f"  stream {index}: MISMATCH server {result.text!r} offline {want!r} pieces {len(streamed)}")
+            print(f"  stream {index}: PIECES {streamed!r} do not make the final text {result.text!r}")
+        elif result.text != want:
+            agreed = len(os.path.commonprefix([result.text.split(), want.split()]))
+            if quantized and agreed >= 2 and diverged < allowed:
+                diverged += 1
+                print(f"  stream {index}: diverged after {agreed} words (FP8, batch-dependent): server "
+                      f"{result.text!r} offline {want!r}")
+            else:
+                failures += 1
+                print(f"  stream {index}: MISMATCH server {result.text!r} offline {want!r} pieces {len(streamed)}")
     summary(f"{profile.name}: {args.requests} concurrent gRPC streams", results, elapsed)
-    print(f"{profile.name}: {args.requests - failures}/{args.requests} streams equal the offline engine's answer; "
-          f"example: {prompts[0]!r} -> {expected[0]!r}", flush=True)
+    print(f"{profile.name}: {args.requests - failures - diverged}/{args.requests} streams equal the offline engine's "
+          f"answer" + (f", {diverged} diverged (at most {allowed} allowed with FP8)" if quantized else "")
+          + f"; example: {prompts[0]!r} -> {expected[0]!r}", flush=True)
     if args.also_profile:
         other = load_profile(args.also_profile)
         server = serve(other, args, tokenizer_env, server_dir, "tritonserver-2.log")
