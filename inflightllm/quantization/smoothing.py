@@ -21,8 +21,8 @@ whole, as up's rows are, quantizes to the same e4m3 values). The calibration pas
 torch forward over Hugging Face-named weight tensors on their own device (`activation_maxima`),
 so the CPU model and the GPU model (its `hf_state_dict()` views) smooth the same way; both call
 `smooth_model_weights` on 16-bit weights before quantizing. SmolLM2-135M, alpha 0.5: perplexity
-ratio to bf16 1.029x -> 1.014x (fp8 weights), 1.034x -> 1.026x (+ fp8 KV cache) on CPU emulation,
-1.023x -> 1.016x and 1.039x -> 1.024x on the GPU: docs/QUANTIZATION.md.
+ratio to bf16 1.031x -> 1.011x (fp8 weights), 1.045x -> 1.021x (+ fp8 KV cache) on CPU emulation,
+1.023x -> 1.014x and 1.039x -> 1.026x on the GPU: docs/QUANTIZATION.md.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def activation_maxima(weights: dict[str, torch.Tensor], arch: LlamaArch, token_i
     `token_ids`, float32: {"qkv": [hidden], "gate_up": [hidden], "down": [intermediate]}.
     `weights`: Hugging Face names -> tensors (16-bit, on one device), a Llama decoder. The
     forward runs in float32 whatever the weights' dtype (each weight cast as it is used), so
-    that the CPU and the GPU calibrate alike (16-bit forwards differ by 1-4 % in these maxima
-    by the last layer between devices)."""
+    that the CPU and the GPU calibrate alike (a bf16 forward moves the resulting scales by up
+    to ~4 % by the last layer, each device rounding its own way)."""
     embed = weights["model.embed_tokens.weight"]
     device, dtype = embed.device, torch.float32
     rotary = RotaryEmbedding(arch)
