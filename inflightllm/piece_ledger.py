@@ -23,7 +23,9 @@ when it is unloaded; an engine process killed outright leaves its 16 bytes behin
 
 `window` (64) and `max_wait_s` (50 ms) can be changed for measurements with
 INFLIGHTLLM_PIECE_WINDOW (pieces) and INFLIGHTLLM_PIECE_MAX_WAIT_MS (perf/run_sender_gil_ab.sh):
-a smaller window coalesces sooner, fewer pieces carrying more tokens each.
+a smaller window coalesces sooner, fewer pieces carrying more tokens each. A wait also ends
+when `done` has not moved for `stall_s` (INFLIGHTLLM_PIECE_STALL_MS, 50 ms): with a longer
+`max_wait_s` the sender then waits as long as postprocessing makes progress, and no longer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ WINDOW = 64  # pieces in between before the sender waits
 MAX_WAIT_S = 0.05
 WINDOW_ENV = "INFLIGHTLLM_PIECE_WINDOW"
 MAX_WAIT_ENV = "INFLIGHTLLM_PIECE_MAX_WAIT_MS"
+STALL_S = 0.05  # a wait ends when postprocessing answered nothing for this long
+STALL_ENV = "INFLIGHTLLM_PIECE_STALL_MS"
 
 
 def window_setting() -> int:
@@ -60,6 +64,11 @@ def max_wait_setting() -> float:
     return env_number(MAX_WAIT_ENV, MAX_WAIT_S * 1000, 0, 1000, "milliseconds") / 1000
 
 
+def stall_setting() -> float:
+    """How long a wait goes on without an answer, in seconds: INFLIGHTLLM_PIECE_STALL_MS (1 to 1000), else STALL_S."""
+    return env_number(STALL_ENV, STALL_S * 1000, 1, 1000, "milliseconds") / 1000
+
+
 def ledger_path(ledger_id: int) -> Path:
     return SHM_DIR / f"{PREFIX}{int(ledger_id)}"
 
@@ -67,11 +76,12 @@ def ledger_path(ledger_id: int) -> Path:
 class PieceLedger:
     """The engine's side: counts pieces sent, reads pieces done, waits for room."""
 
-    def __init__(self, ledger_id: int, window: int, max_wait_s: float):
+    def __init__(self, ledger_id: int, window: int, max_wait_s: float, stall_s: float | None = None):
         self.id = ledger_id
         self.path = path = ledger_path(ledger_id)
         self.window = window
         self.max_wait_s = max_wait_s
+        self.stall_s = max_wait_s if stall_s is None else stall_s
         with open(path, "xb") as file:  # a new file: never another engine's ledger
             file.write(bytes(16))
         self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]
@@ -79,14 +89,17 @@ class PieceLedger:
         self.waits = 0
 
     @classmethod
-    def create(cls, window: int | None = None, max_wait_s: float | None = None) -> PieceLedger | None:
+    def create(cls, window: int | None = None, max_wait_s: float | None = None,
+               stall_s: float | None = None) -> PieceLedger | None:
         """A new ledger under a random id, or None where shared memory is not available.
-        `window` and `max_wait_s` default to window_setting() and max_wait_setting()."""
+        `window`, `max_wait_s` and `stall_s` default to window_setting(), max_wait_setting()
+        and stall_setting() (the stall never longer than the whole wait)."""
         window = window_setting() if window is None else window
         max_wait_s = max_wait_setting() if max_wait_s is None else max_wait_s
+        stall_s = min(stall_setting() if stall_s is None else stall_s, max_wait_s)
         for _ in range(8):  # an id already taken (FileExistsError): draw another
             try:
-                return cls(1 + secrets.randbelow(2**31 - 2), window, max_wait_s)
+                return cls(1 + secrets.randbelow(2**31 - 2), window, max_wait_s, stall_s)
             except FileExistsError:
                 continue
             except OSError:
@@ -101,17 +114,22 @@ class PieceLedger:
         self._counters[0] += pieces
 
     def wait_for_room(self, sleep_s: float = 0.0002) -> None:
-        """Return once at most `window` pieces are in between, or after `max_wait_s`. When
-        `done` did not move during a whole bounded wait, the pieces still counted in between
-        are written off (they will not be answered: e.g. their client went away)."""
+        """Return once at most `window` pieces are in between, after `max_wait_s`, or when
+        `done` has not moved for `stall_s`. When `done` did not move during the whole wait,
+        the pieces still counted in between are written off (they will not be answered:
+        e.g. their client went away)."""
         if self.in_flight <= self.window:
             return
-        start = time.monotonic()
-        done_at_start = int(self._counters[1])
+        start = progress_at = time.monotonic()
+        done_at_start = last_done = int(self._counters[1])
         self.waits += 1
         while self.in_flight > self.window:
-            if time.monotonic() - start >= self.max_wait_s:
-                if int(self._counters[1]) == done_at_start:
+            now = time.monotonic()
+            done = int(self._counters[1])
+            if done != last_done:
+                last_done, progress_at = done, now
+            if now - start >= self.max_wait_s or now - progress_at >= self.stall_s:
+                if done == done_at_start:
                     self._base = int(self._counters[0])
                 break
             time.sleep(sleep_s)

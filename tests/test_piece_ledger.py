@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm here")
 
 @pytest.fixture
 def ledger():
-    made = PieceLedger.create(window=2, max_wait_s=0.2)
+    made = PieceLedger.create(window=2, max_wait_s=0.2, stall_s=0.2)
     assert made is not None and made.path == ledger_path(made.id) and 0 < made.id < 2**31
     yield made
     made.close()
@@ -112,3 +112,50 @@ def test_window_and_wait_settings(monkeypatch):
     monkeypatch.setenv(piece_ledger.MAX_WAIT_ENV, "soon")
     with pytest.raises(ValueError, match=r"INFLIGHTLLM_PIECE_MAX_WAIT_MS='soon': give milliseconds"):
         piece_ledger.max_wait_setting()
+
+
+def test_a_long_wait_goes_on_while_postprocessing_answers_and_ends_at_a_stall():
+    """max_wait_s 1 s, stall_s 0.1 s: answers every 40 ms keep the sender waiting past the
+    stall time until the window is reached; when the answers stop short of it, the wait ends
+    one stall later (and nothing is written off: some pieces were answered)."""
+    made = PieceLedger.create(window=2, max_wait_s=1.0, stall_s=0.1)
+    if made is None:
+        pytest.skip("no /dev/shm here")
+    counter = PieceCounter()
+    try:
+        made.count_sent(8)
+        for i in range(6):  # 8 -> 2 in flight at ~240 ms
+            threading.Timer(0.04 * (i + 1), counter.count_done, args=(made.id, 1)).start()
+        start = time.monotonic()
+        made.wait_for_room()
+        waited = time.monotonic() - start
+        assert 0.22 <= waited < 0.5, waited
+        assert made.in_flight == 2
+        made.count_sent(6)  # 8 in flight; two answers, then none
+        for i in range(2):
+            threading.Timer(0.04 * (i + 1), counter.count_done, args=(made.id, 1)).start()
+        start = time.monotonic()
+        made.wait_for_room()
+        waited = time.monotonic() - start
+        assert 0.17 <= waited < 0.5, waited  # the last answer at ~80 ms, then a 100 ms stall
+        assert made.in_flight == 6  # not written off
+    finally:
+        made.close()
+
+
+def test_stall_setting(monkeypatch):
+    from inflightllm import piece_ledger
+
+    monkeypatch.delenv(piece_ledger.STALL_ENV, raising=False)
+    monkeypatch.setenv(piece_ledger.MAX_WAIT_ENV, "1000")
+    assert piece_ledger.stall_setting() == 0.05
+    made = PieceLedger.create()
+    if made is None:
+        pytest.skip("no /dev/shm here")
+    try:
+        assert (made.max_wait_s, made.stall_s) == (1.0, 0.05)
+    finally:
+        made.close()
+    monkeypatch.setenv(piece_ledger.STALL_ENV, "0")
+    with pytest.raises(ValueError, match="INFLIGHTLLM_PIECE_STALL_MS"):
+        piece_ledger.stall_setting()
