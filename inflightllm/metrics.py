@@ -219,16 +219,7 @@ class EngineMetrics:
     def _observe_finished(self, finished: list[Finished]) -> None:
         """Finish reasons (one increment a reason) and the latency and length histograms."""
         reasons = collections.Counter(item.reason for item in finished)
-        for reason, count in reasons.items():
-            if reason in self.finished:
-                self.finished[reason].increment(count)
-        for item in finished:
-            if item.ttft is not None:
-                self.ttft.observe(item.ttft)
-            if item.tpot is not None:
-                self.tpot.observe(item.tpot)
-            if item.e2e is not None:
-                self.e2e.observe(item.e2e)
+        observe_finished(finished, reasons, self.finished, self.ttft, self.tpot, self.e2e)
         self.vllm.observe_finished(finished, reasons)
 
 
@@ -246,6 +237,22 @@ class Finished(NamedTuple):
     def of(cls, output: RequestOutput) -> Finished:
         return cls(output.finish_reason.text, output.time_to_first_token, output.time_per_output_token,
                    output.e2e_latency, output.num_prompt_tokens, output.num_output_tokens)
+
+
+def observe_finished(finished: list[Finished], reasons: collections.Counter, by_reason: dict, ttft, tpot,
+                     e2e) -> None:
+    """One increment a finish reason (its counter in `by_reason`), then each request's
+    latencies into the three histograms."""
+    for reason, count in reasons.items():
+        if reason in by_reason:
+            by_reason[reason].increment(count)
+    for item in finished:
+        if item.ttft is not None:
+            ttft.observe(item.ttft)
+        if item.tpot is not None:
+            tpot.observe(item.tpot)
+        if item.e2e is not None:
+            e2e.observe(item.e2e)
 
 
 class FinishedObserver:
@@ -374,15 +381,7 @@ class VllmAliases:
                 metric.increment(now - before)
 
     def observe_finished(self, finished: list[Finished], reasons: collections.Counter) -> None:
-        for reason, count in reasons.items():
-            if reason in self.success:
-                self.success[reason].increment(count)
+        observe_finished(finished, reasons, self.success, self.ttft, self.tpot, self.e2e)
         for item in finished:
-            if item.ttft is not None:
-                self.ttft.observe(item.ttft)
-            if item.tpot is not None:
-                self.tpot.observe(item.tpot)
-            if item.e2e is not None:
-                self.e2e.observe(item.e2e)
             self.request_prompt_tokens.observe(item.prompt_tokens)
             self.request_generation_tokens.observe(item.output_tokens)
