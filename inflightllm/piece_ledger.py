@@ -76,12 +76,12 @@ def ledger_path(ledger_id: int) -> Path:
 class PieceLedger:
     """The engine's side: counts pieces sent, reads pieces done, waits for room."""
 
-    def __init__(self, ledger_id: int, window: int, max_wait_s: float, stall_s: float | None = None):
+    def __init__(self, ledger_id: int, window: int, max_wait_s: float, stall_s: float):
         self.id = ledger_id
         self.path = path = ledger_path(ledger_id)
         self.window = window
         self.max_wait_s = max_wait_s
-        self.stall_s = max_wait_s if stall_s is None else stall_s
+        self.stall_s = stall_s
         with open(path, "xb") as file:  # a new file: never another engine's ledger
             file.write(bytes(16))
         self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]

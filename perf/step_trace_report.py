@@ -4,9 +4,9 @@ For each trace file (one engine): the steps, the wall time from the first step's
 the last step's end, the time inside steps and between them (the loop's own work: admitting
 requests, handing outputs to the sender, metrics), when the requests arrived (the step by
 which half and all of them were added), the host parts of the steps, and the slowest gaps.
-A trace holds every step of the engine's life (warm-up included): `--after-idle-ms` starts
-the summary at the first step that follows an idle gap at least that long (the measured run
-after a warm-up), `--last-busy` keeps only the last busy stretch.
+A trace holds every step of the engine's life (warm-up included), split into busy stretches
+where the engine was idle at least `--idle-ms` between two steps (a warm-up, then the measured
+run); `--last-busy` keeps only the last stretch.
 
     python -m perf.step_trace_report OUT/engine/trace OUT/base/trace --last-busy
 """
