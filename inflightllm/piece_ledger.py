@@ -110,6 +110,11 @@ class PieceLedger:
     def in_flight(self) -> int:
         return int(self._counters[0]) - max(int(self._counters[1]), self._base)
 
+    @property
+    def answered(self) -> int:
+        """The pieces postprocessing has answered so far (its side of the ledger)."""
+        return int(self._counters[1])
+
     def count_sent(self, pieces: int = 1) -> None:
         self._counters[0] += pieces
 

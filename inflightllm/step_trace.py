@@ -5,10 +5,19 @@ With `INFLIGHTLLM_STEP_TRACE=DIR` every `Engine` appends one tab-separated line 
 began and how long it took (ms, from the first traced step), the host time of its parts
 (the asynchronous loop's schedule / launch / wait / emit), the tokens it ran, the running and
 waiting requests after it, the requests added since the step before and the outputs it
-returned. Comparing the engine alone (`LLM.generate`) with the engine under tritonserver
-shows whether requests arrive late, steps run smaller or the loop waits between steps.
-Off unless the variable is set; the file is line-buffered, so a killed server leaves
-every step it ran.
+returned, and the step's start on the process's monotonic clock (`clock_s`, seconds of
+`time.perf_counter()`). Comparing the engine alone (`LLM.generate`) with the engine under
+tritonserver shows whether requests arrive late, steps run smaller or the loop waits between
+steps.
+
+Under the server the response sender (inflightllm/serving/engine_loop.py) writes
+`DIR/sender-<pid>-<n>.tsv` beside it, one line a round (SENDER_FIELDS): when the round began
+(`clock_s`, the same clock), how long it waited for postprocessing (the piece ledger's
+backpressure), the pieces in between and answered then, the responses it sent and how long
+sending them took, and the pieces answered by its end. With the step trace it shows whether
+the sends or postprocessing's answers set the pace after the last step.
+Off unless the variable is set; the files are line-buffered, so a killed server leaves
+every line written.
 """
 
 from __future__ import annotations
@@ -19,8 +28,17 @@ import time
 from pathlib import Path
 
 FIELDS = ("start_ms", "dur_ms", "gap_ms", "schedule_ms", "launch_ms", "wait_ms", "emit_ms",
-          "tokens", "running", "waiting", "added", "outputs")
+          "tokens", "running", "waiting", "added", "outputs", "clock_s")
+SENDER_FIELDS = ("clock_s", "wait_ms", "in_flight", "answered", "items", "responses", "outputs", "finals",
+                 "send_ms", "answered_after")
 _COUNTER = itertools.count()
+_SENDER_COUNTER = itertools.count()
+
+
+def trace_folder() -> Path | None:
+    """The folder INFLIGHTLLM_STEP_TRACE names, or None (no trace)."""
+    folder = os.environ.get("INFLIGHTLLM_STEP_TRACE", "").strip()
+    return Path(folder) if folder else None
 
 
 class StepTrace:
@@ -36,10 +54,10 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        folder = os.environ.get("INFLIGHTLLM_STEP_TRACE", "").strip()
-        if not folder:
+        folder = trace_folder()
+        if folder is None:
             return None
-        return cls(Path(folder) / f"steps-{os.getpid()}-{next(_COUNTER)}.tsv")
+        return cls(folder / f"steps-{os.getpid()}-{next(_COUNTER)}.tsv")
 
     def begin(self, host_seconds: dict) -> float:
         self._host = dict(host_seconds)
@@ -54,8 +72,33 @@ class StepTrace:
         parts = [(host_seconds.get(k, 0.0) - self._host.get(k, 0.0)) * 1e3 for k in ("schedule", "launch", "wait", "emit")]
         values = [(started - self._origin) * 1e3, (ended - started) * 1e3, gap, *parts]
         self._file.write("\t".join(f"{v:.3f}" for v in values)
-                         + f"\t{tokens}\t{running}\t{waiting}\t{self.added}\t{outputs}\n")
+                         + f"\t{tokens}\t{running}\t{waiting}\t{self.added}\t{outputs}\t{started:.6f}\n")
         self.added = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class SenderTrace:
+    """The response sender's rounds (SENDER_FIELDS), one line each."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the sender
+        self._file.write("\t".join(SENDER_FIELDS) + "\n")
+
+    @classmethod
+    def from_env(cls) -> SenderTrace | None:
+        folder = trace_folder()
+        if folder is None:
+            return None
+        return cls(folder / f"sender-{os.getpid()}-{next(_SENDER_COUNTER)}.tsv")
+
+    def round(self, began: float, waited_s: float, in_flight: int, answered: int, items: int, responses: int,
+              outputs: int, finals: int, send_s: float, answered_after: int) -> None:
+        self._file.write(f"{began:.6f}\t{waited_s * 1e3:.3f}\t{in_flight}\t{answered}\t{items}\t{responses}"
+                         f"\t{outputs}\t{finals}\t{send_s * 1e3:.3f}\t{answered_after}\n")
 
     def close(self) -> None:
         self._file.close()

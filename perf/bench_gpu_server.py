@@ -554,7 +554,8 @@ def server_phases(profile_path: Path, overrides: dict, workload: Workload, texts
         return out
     started = time.perf_counter()
     with servers.serve_profile(profile_path, overrides, suffix="bench", options=options,
-                               timeout=args.server_timeout) as served:
+                               timeout=args.server_timeout,
+                               postprocessing_dynamic_batching=args.postprocessing_dynamic_batching) as served:
         out["server"] = {**served.describe(), "start_s": round(time.perf_counter() - started, 1)}
         print(f"[server] ready in {out['server']['start_s']} s (gRPC {served.server.grpc_url})", flush=True)
         out["server"]["placement"] = engine_placement(served.server.metrics_url)
@@ -702,6 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "bench-gpu-server",
                         help="folder for the JSON, markdown and plot")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--postprocessing-dynamic-batching", action="store_true",
+                        help="a measurement switch: postprocessing behind a dynamic batcher (perf/servers.py; "
+                             "client cancellations then do not reach the engine)")
     parser.add_argument("--same-process", action="store_true",
                         help="run (a) and (d) in this process rather than a child process of their own")
     servers.add_server_arguments(parser)

@@ -29,6 +29,7 @@ from inflightllm.env_settings import env_number
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
+from inflightllm.step_trace import SenderTrace
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,8 @@ class ResponseSender:
         self._thread = threading.Thread(target=self._run, name="inflightllm-response-sender", daemon=True)
         self.responses_sent = 0
         self.outputs_coalesced = 0
+        # INFLIGHTLLM_STEP_TRACE: one line a round (inflightllm/step_trace.py's SenderTrace)
+        self._trace = SenderTrace.from_env()
 
     def start(self) -> None:
         self._thread.start()
@@ -381,22 +384,39 @@ class ResponseSender:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not self._queue and not self._stopping:
-                    self._condition.wait()
-                if not self._queue and self._stopping:
-                    return
-            if self.ledger is not None and not self._stopping:
-                self.ledger.wait_for_room()  # meanwhile outputs queue up: they go out coalesced
-            with self._condition:
-                items = list(self._queue)
-                self._queue.clear()
-                self._busy = len(items)  # counted down as each response is handed over
-            try:
-                self._send_all(items)
-            finally:
-                self._busy = 0
+        try:
+            while True:
+                with self._condition:
+                    while not self._queue and not self._stopping:
+                        self._condition.wait()
+                    if not self._queue and self._stopping:
+                        return
+                trace = self._trace
+                if trace is not None:
+                    began = time.perf_counter()
+                    in_flight, answered = (self.ledger.in_flight, self.ledger.answered) if self.ledger else (0, 0)
+                if self.ledger is not None and not self._stopping:
+                    self.ledger.wait_for_room()  # meanwhile outputs queue up: they go out coalesced
+                with self._condition:
+                    items = list(self._queue)
+                    self._queue.clear()
+                    self._busy = len(items)  # counted down as each response is handed over
+                if trace is not None:
+                    sending = time.perf_counter()
+                    sent_before = self.responses_sent
+                try:
+                    self._send_all(items)
+                finally:
+                    self._busy = 0
+                if trace is not None:
+                    batches = [item[1] for item in items if item[0] == "outputs"]
+                    trace.round(began, sending - began, in_flight, answered, len(items),
+                                self.responses_sent - sent_before, sum(len(batch) for batch in batches),
+                                sum(1 for batch in batches for output, _, _ in batch if output.finished),
+                                time.perf_counter() - sending, self.ledger.answered if self.ledger else 0)
+        finally:
+            if self._trace is not None:
+                self._trace.close()
 
     def _send_all(self, items) -> None:
         # Merge each request's outputs across the queued steps; keep first-seen order. The
