@@ -6,8 +6,7 @@
 #   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py);
 #   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread);
 #   t<ms>: INFLIGHTLLM_PIECE_MAX_WAIT_MS=<ms> (the sender's longest wait for room); pb: postprocessing
-#   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch);
-#   s<threads>: INFLIGHTLLM_SENDER_THREADS=<threads> (a round's sends from that many threads).
+#   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch).
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
 #   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE).
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
@@ -33,7 +32,6 @@ for variant in $VARIANTS; do
     w*) env_args=(INFLIGHTLLM_PIECE_WINDOW="${variant#w}") ;;
     m0) env_args=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
     t*) env_args=(INFLIGHTLLM_PIECE_MAX_WAIT_MS="${variant#t}") ;;
-    s*) env_args=(INFLIGHTLLM_SENDER_THREADS="${variant#s}") ;;
     *) note "unknown variant $variant"; continue ;;
   esac
   [ "${TRACE:-0}" = 1 ] && env_args+=(INFLIGHTLLM_STEP_TRACE="$OUT/$variant/trace")

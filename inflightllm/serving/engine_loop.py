@@ -320,21 +320,6 @@ def sender_yield_s() -> float:
     return env_number(SENDER_YIELD_ENV, SENDER_YIELD_US, 0, 10000, "microseconds") / 1e6
 
 
-SENDER_THREADS_ENV = "INFLIGHTLLM_SENDER_THREADS"
-# One thread sends a round's responses in turn unless set. In the Python backend a send
-# releases the GIL and blocks until tritonserver has handed the response on (inside an
-# ensemble: until postprocessing's request is queued); more threads keep several sends in
-# flight at once (the server answers them from a pool of 32 threads per instance).
-SENDER_THREADS = 1
-# A round with fewer responses than this goes out from the sender thread alone.
-PARALLEL_SEND_MIN = 32
-
-
-def sender_threads_setting() -> int:
-    """Threads that send a round's responses: INFLIGHTLLM_SENDER_THREADS (1 to 64), else SENDER_THREADS."""
-    return int(env_number(SENDER_THREADS_ENV, SENDER_THREADS, 1, 64, "threads"))
-
-
 class ResponseSender:
     """The thread that turns outputs into responses and sends them.
 
@@ -347,18 +332,9 @@ class ResponseSender:
     Python's switch interval (5 ms).
     """
 
-    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None, yield_s: float | None = None,
-                 threads: int | None = None):
+    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None, yield_s: float | None = None):
         self.loop = loop
         self.yield_s = sender_yield_s() if yield_s is None else yield_s
-        self.threads = sender_threads_setting() if threads is None else threads
-        self._pool = None
-        if self.threads > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="inflightllm-send")
-            logger.info("the response sender sends a round from %d threads", self.threads)
-        self._counts_lock = threading.Lock()
         if self.yield_s:
             logger.info("the response sender sleeps %.0f us between responses", self.yield_s * 1e6)
         # Backpressure from postprocessing (inflightllm/piece_ledger.py): before each round the
@@ -406,8 +382,6 @@ class ResponseSender:
             self._condition.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
     def _run(self) -> None:
         try:
@@ -467,53 +441,26 @@ class ResponseSender:
         if finals:  # a request's final response goes after its other sequences' responses
             order.sort(key=lambda item: item[0] == "request" and merged[item[1]][0][-1].finished)
         self._busy = len(order)
-        if self._pool is None or len(order) < PARALLEL_SEND_MIN:
-            self._send_in_turn(order, merged)
-            return
-        # Each request's items (its sequences' outputs, its error) stay on one thread, in
-        # order; the round ends when every thread has sent its share.
-        shares: list[list] = [[] for _ in range(self.threads)]
-        share_of: dict[int, int] = {}  # id(sink) -> its share, dealt in turn
-        for item in order:
-            sink = item[1] if item[0] == "error" else merged[item[1]][2]
-            share = share_of.setdefault(id(sink), len(share_of) % self.threads)
-            shares[share].append(item)
-        futures = [self._pool.submit(self._send_in_turn, share, merged) for share in shares[1:] if share]
-        try:
-            self._send_in_turn(shares[0], merged)
-        finally:
-            for future in futures:
-                future.result()
-
-    def _send_in_turn(self, order, merged) -> None:
         pause = self.yield_s
-        sent = coalesced = packed = 0
-        try:
-            for index, item in enumerate(order):
-                if pause and index:
-                    time.sleep(pause)
-                with self._counts_lock:
-                    self._busy -= 1
-                if item[0] == "error":
-                    EngineLoop._safe_error(item[1], item[2])
-                    continue
-                outputs, request, sink = merged[item[1]]
-                output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
-                coalesced += len(outputs) - 1
-                try:
-                    tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id)
-                    sink.send(tensors, final=output.finished)
-                    sent += 1
-                    packed += bool(request.packed_outputs)
-                except Exception:
-                    logger.exception("sending a response failed; cancelling request %s", output.request_id)
-                    if not output.finished:
-                        self._failed.append(output.request_id)
-                        with self.loop._wakeup:
-                            self.loop._wakeup.notify()
-        finally:
-            with self._counts_lock:
-                self.responses_sent += sent
-                self.outputs_coalesced += coalesced
-                if packed and self.ledger is not None:
-                    self.ledger.count_sent(packed)
+        for index, item in enumerate(order):
+            if pause and index:
+                time.sleep(pause)
+            self._busy -= 1
+            if item[0] == "error":
+                EngineLoop._safe_error(item[1], item[2])
+                continue
+            outputs, request, sink = merged[item[1]]
+            output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
+            self.outputs_coalesced += len(outputs) - 1
+            try:
+                tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id)
+                sink.send(tensors, final=output.finished)
+                self.responses_sent += 1
+                if request.packed_outputs and self.ledger is not None:
+                    self.ledger.count_sent()
+            except Exception:
+                logger.exception("sending a response failed; cancelling request %s", output.request_id)
+                if not output.finished:
+                    self._failed.append(output.request_id)
+                    with self.loop._wakeup:
+                        self.loop._wakeup.notify()
