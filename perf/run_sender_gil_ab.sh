@@ -6,7 +6,9 @@
 #   INFLIGHTLLM_PIECE_WINDOW=<pieces> (the backpressure window, inflightllm/piece_ledger.py);
 #   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread);
 #   t<ms>: INFLIGHTLLM_PIECE_MAX_WAIT_MS=<ms> (the sender's longest wait for room); pb: postprocessing
-#   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch).
+#   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch);
+#   i<us>: INFLIGHTLLM_SWITCH_INTERVAL_US=<us> (the engine process's thread switch interval). Join
+#   variants with '+': pb+i500.
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
 #   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE).
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
@@ -26,18 +28,26 @@ engine_env=()
 step engine 200 env "${engine_env[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
   --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip transformers,nostream,stream
 for variant in $VARIANTS; do
-  case "$variant" in
-    base|pb) env_args=() ;;
-    y*) env_args=(INFLIGHTLLM_SENDER_YIELD_US="${variant#y}") ;;
-    w*) env_args=(INFLIGHTLLM_PIECE_WINDOW="${variant#w}") ;;
-    m0) env_args=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
-    t*) env_args=(INFLIGHTLLM_PIECE_MAX_WAIT_MS="${variant#t}") ;;
-    *) note "unknown variant $variant"; continue ;;
-  esac
+  env_args=()
+  extra=()
+  known=1
+  for part in ${variant//+/ }; do  # a variant may join several: pb+i500
+    case "$part" in
+      base) ;;
+      pb) extra+=(--postprocessing-dynamic-batching) ;;
+      y*) env_args+=(INFLIGHTLLM_SENDER_YIELD_US="${part#y}") ;;
+      w*) env_args+=(INFLIGHTLLM_PIECE_WINDOW="${part#w}") ;;
+      m0) env_args+=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
+      t*) env_args+=(INFLIGHTLLM_PIECE_MAX_WAIT_MS="${part#t}") ;;
+      i*) env_args+=(INFLIGHTLLM_SWITCH_INTERVAL_US="${part#i}") ;;
+      *) known=0 ;;
+    esac
+  done
+  [ $known = 1 ] || { note "unknown variant $variant"; continue; }
   [ "${TRACE:-0}" = 1 ] && env_args+=(INFLIGHTLLM_STEP_TRACE="$OUT/$variant/trace")
   step "stream-$variant" 200 env "${env_args[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" \
     --out "$OUT/$variant" --server-log-dir "$OUT/logs-$variant" --max-seconds 180 --server-timeout 240 \
-    --skip "$skip_phases" $([ "$variant" = pb ] && echo --postprocessing-dynamic-batching)
+    --skip "$skip_phases" "${extra[@]}"
   mkdir -p "$OUT/$variant/runs" && cp "$OUT/$variant"/bench_gpu_server-*.json "$OUT/$variant/runs/$SECONDS.json" 2>/dev/null
   note "$variant: $(grep -E '^- \((b|c)\)' "$OUT/$variant"/bench_gpu_server-*.md 2>/dev/null | tr '\n' ' ')"
 done

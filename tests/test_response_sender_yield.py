@@ -84,3 +84,25 @@ def test_the_setting_comes_from_the_environment_and_bad_values_are_refused(monke
         with pytest.raises(ValueError, match=rf"{SENDER_YIELD_ENV}={bad!r}: give microseconds, a number from 0 to 10000"):
             sender_yield_s()
 
+
+
+def test_the_switch_interval_setting(monkeypatch):
+    """INFLIGHTLLM_SWITCH_INTERVAL_US sets the engine process's thread switch interval (unset:
+    Python's own, untouched); a bad value is refused by name."""
+    import sys
+
+    from inflightllm.serving.engine_loop import SWITCH_INTERVAL_ENV, apply_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv(SWITCH_INTERVAL_ENV, raising=False)
+        assert apply_switch_interval() is None and sys.getswitchinterval() == before
+        monkeypatch.setenv(SWITCH_INTERVAL_ENV, "500")
+        assert apply_switch_interval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        for bad in ("10", "fast"):
+            monkeypatch.setenv(SWITCH_INTERVAL_ENV, bad)
+            with pytest.raises(ValueError, match=SWITCH_INTERVAL_ENV):
+                apply_switch_interval()
+    finally:
+        sys.setswitchinterval(before)

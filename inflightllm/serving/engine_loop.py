@@ -320,6 +320,25 @@ def sender_yield_s() -> float:
     return env_number(SENDER_YIELD_ENV, SENDER_YIELD_US, 0, 10000, "microseconds") / 1e6
 
 
+SWITCH_INTERVAL_ENV = "INFLIGHTLLM_SWITCH_INTERVAL_US"
+
+
+def apply_switch_interval() -> float | None:
+    """Set Python's thread switch interval to INFLIGHTLLM_SWITCH_INTERVAL_US (50 to 100000
+    microseconds) when it is set; returns the interval set (seconds) or None. A thread that
+    wants the GIL back (the sender after each send) waits for the holder (the loop thread)
+    to drop it, at most this long (Python's default: 5 ms)."""
+    import os
+    import sys
+
+    if not os.environ.get(SWITCH_INTERVAL_ENV, "").strip():
+        return None
+    interval = env_number(SWITCH_INTERVAL_ENV, 5000, 50, 100000, "microseconds") / 1e6
+    sys.setswitchinterval(interval)
+    logger.info("Python's thread switch interval set to %.0f us", interval * 1e6)
+    return interval
+
+
 class ResponseSender:
     """The thread that turns outputs into responses and sends them.
 

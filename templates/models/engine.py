@@ -27,7 +27,7 @@ from inflightllm.parallel.placement import PlacementMetrics, instance_config, wh
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import ENGINE_INPUTS, parse_engine_request
-from inflightllm.serving.engine_loop import EngineLoop
+from inflightllm.serving.engine_loop import EngineLoop, apply_switch_interval
 
 logger = logging.getLogger("inflightllm.engine_model")
 
@@ -77,6 +77,7 @@ class TritonPythonModel:
         gc.freeze()
         # Backpressure from postprocessing (inflightllm/piece_ledger.py): None where /dev/shm is missing.
         self.ledger = PieceLedger.create()
+        apply_switch_interval()  # INFLIGHTLLM_SWITCH_INTERVAL_US, for measurements
         self.loop = EngineLoop(engine, on_step=self._on_step, piece_ledger=self.ledger).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()
