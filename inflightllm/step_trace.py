@@ -41,12 +41,18 @@ def trace_folder() -> Path | None:
     return Path(folder) if folder else None
 
 
+def open_trace(path: Path, fields: tuple[str, ...]):
+    """A new line-buffered TSV file at `path` with its header line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with its writer
+    file.write("\t".join(fields) + "\n")
+    return file
+
+
 class StepTrace:
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the engine
-        self._file.write("\t".join(FIELDS) + "\n")
+        self._file = open_trace(path, FIELDS)
         self._origin: float | None = None
         self._last_end: float | None = None
         self._host = {}
@@ -84,9 +90,7 @@ class SenderTrace:
 
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the sender
-        self._file.write("\t".join(SENDER_FIELDS) + "\n")
+        self._file = open_trace(path, SENDER_FIELDS)
 
     @classmethod
     def from_env(cls) -> SenderTrace | None:
