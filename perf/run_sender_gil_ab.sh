@@ -10,7 +10,8 @@
 #   i<us>: INFLIGHTLLM_SWITCH_INTERVAL_US=<us> (the engine process's thread switch interval). Join
 #   variants with '+': pb+i500.
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
-#   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE).
+#   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE); SKIP_ENGINE=1
+#   leaves out the engine-only run.
 #   OUT=$OUT VARIANTS="base y200 base y200" bash perf/run_sender_gil_ab.sh
 #   OUT=$OUT PROFILE=profiles/llama3-8b-fp8-h200.yaml VARIANTS="base w16 w32 base" bash perf/run_sender_gil_ab.sh
 # Writes $OUT/<variant>/bench_gpu_server-*.{json,md} and $OUT/summary.txt.
@@ -25,7 +26,7 @@ note "run_sender_gil_ab: $(date -u '+%Y-%m-%d %H:%M UTC'), $PROFILE, variants: $
 install_bundle
 engine_env=()
 [ "${TRACE:-0}" = 1 ] && engine_env=(INFLIGHTLLM_STEP_TRACE="$OUT/engine/trace")
-step engine 200 env "${engine_env[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
+[ "${SKIP_ENGINE:-0}" = 1 ] || step engine 200 env "${engine_env[@]}" "$PY" -m perf.bench_gpu_server --profile "$PROFILE" --bundle "$PREFIX" --out "$OUT/engine" \
   --server-log-dir "$OUT/logs" --max-seconds 180 --server-timeout 240 --skip transformers,nostream,stream
 for variant in $VARIANTS; do
   env_args=()
