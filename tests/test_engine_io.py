@@ -211,3 +211,22 @@ def test_a_malformed_packed_beam_response_is_refused_naming_the_problem():
     with pytest.raises(ValueError, match="the same number of each"):
         pack_beams(finish_reason=0, num_input_tokens=1, num_output_tokens=1, num_cached_tokens=0,
                    beam_token_ids=[[1], [2]], beam_cum_logprobs=[-1.0], beam_logprobs=[[], []], pad_id=0)
+
+
+def test_request_scalars_are_read_whatever_their_shape_and_more_than_one_value_is_refused():
+    """parse_engine_request reads each per-request scalar ([1] or [1, 1]); two values for one
+    is refused naming the input and the shape it got."""
+    import pytest
+
+    from inflightllm.sampling_params import InvalidRequestError
+    from tests.test_engine_loop import engine_request
+
+    parsed = engine_request([5, 6, 7], 9, temperature=0.5, seed=-1, top_k=3, priority=2)
+    assert parsed.prompt_token_ids == [5, 6, 7]
+    params = parsed.params
+    assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (9, 0.5, 3, None)
+    assert parsed.priority == 2 and parsed.streaming is True
+    with pytest.raises(InvalidRequestError, match=r"top_p: expected one value per request, got shape \[1, 2\]"):
+        engine_request([5, 6, 7], 9, top_p=[0.5, 0.9])
+    with pytest.raises(InvalidRequestError, match="input_length: 4 does not match the 3 tokens"):
+        engine_request([5, 6, 7], 9, input_length=4)
