@@ -226,7 +226,7 @@ def test_request_scalars_are_read_whatever_their_shape_and_more_than_one_value_i
     params = parsed.params
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (9, 0.5, 3, None)
     assert parsed.priority == 2 and parsed.streaming is True
-    with pytest.raises(InvalidRequestError, match=r"top_p: expected one value per request, got shape \[1, 2\]"):
+    with pytest.raises(InvalidRequestError, match=r"top_p: expected one value per request, got shape \[1, 1, 2\]"):
         engine_request([5, 6, 7], 9, top_p=[0.5, 0.9])
     with pytest.raises(InvalidRequestError, match="input_length: 4 does not match the 3 tokens"):
         engine_request([5, 6, 7], 9, input_length=4)
