@@ -108,7 +108,7 @@ class PieceLedger:
 
     @property
     def in_flight(self) -> int:
-        return int(self._counters[0]) - max(int(self._counters[1]), self._base)
+        return int(self._counters[0]) - max(self.answered, self._base)
 
     @property
     def answered(self) -> int:
@@ -126,11 +126,11 @@ class PieceLedger:
         if self.in_flight <= self.window:
             return
         start = progress_at = time.monotonic()
-        done_at_start = last_done = int(self._counters[1])
+        done_at_start = last_done = self.answered
         self.waits += 1
         while self.in_flight > self.window:
             now = time.monotonic()
-            done = int(self._counters[1])
+            done = self.answered
             if done != last_done:
                 last_done, progress_at = done, now
             if now - start >= self.max_wait_s or now - progress_at >= self.stall_s:

@@ -35,10 +35,11 @@ _COUNTER = itertools.count()
 _SENDER_COUNTER = itertools.count()
 
 
-def trace_folder() -> Path | None:
-    """The folder INFLIGHTLLM_STEP_TRACE names, or None (no trace)."""
+def trace_path(kind: str, counter: itertools.count) -> Path | None:
+    """`<INFLIGHTLLM_STEP_TRACE>/<kind>-<pid>-<n>.tsv` (n from `counter`: this kind's writers in
+    the process), or None when the variable names no folder (no trace)."""
     folder = os.environ.get("INFLIGHTLLM_STEP_TRACE", "").strip()
-    return Path(folder) if folder else None
+    return Path(folder) / f"{kind}-{os.getpid()}-{next(counter)}.tsv" if folder else None
 
 
 def open_trace(path: Path, fields: tuple[str, ...]):
@@ -60,10 +61,8 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        folder = trace_folder()
-        if folder is None:
-            return None
-        return cls(folder / f"steps-{os.getpid()}-{next(_COUNTER)}.tsv")
+        path = trace_path("steps", _COUNTER)
+        return None if path is None else cls(path)
 
     def begin(self, host_seconds: dict) -> float:
         self._host = dict(host_seconds)
@@ -94,10 +93,8 @@ class SenderTrace:
 
     @classmethod
     def from_env(cls) -> SenderTrace | None:
-        folder = trace_folder()
-        if folder is None:
-            return None
-        return cls(folder / f"sender-{os.getpid()}-{next(_SENDER_COUNTER)}.tsv")
+        path = trace_path("sender", _SENDER_COUNTER)
+        return None if path is None else cls(path)
 
     def round(self, began: float, waited_s: float, in_flight: int, answered: int, items: int, responses: int,
               outputs: int, finals: int, send_s: float, answered_after: int) -> None:

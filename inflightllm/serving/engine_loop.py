@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -328,9 +330,6 @@ def apply_switch_interval() -> float | None:
     microseconds) when it is set; returns the interval set (seconds) or None. A thread that
     wants the GIL back (the sender after each send) waits for the holder (the loop thread)
     to drop it, at most this long (Python's default: 5 ms)."""
-    import os
-    import sys
-
     if not os.environ.get(SWITCH_INTERVAL_ENV, "").strip():
         return None
     interval = env_number(SWITCH_INTERVAL_ENV, 5000, 50, 100000, "microseconds") / 1e6
