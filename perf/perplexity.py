@@ -5,7 +5,10 @@ Variants (one process, the same tokens, the same chunking):
 - `fp8`: FP8 e4m3 weights (per-channel scales) with per-token activation scales;
 - `fp8-kv`: the same plus an FP8 KV cache;
 - `fp8-smooth`, `fp8-kv-smooth`: those two with SmoothQuant (alpha 0.5) folded into the
-  weights before they are quantized (`model.fp8_smoothing`, inflightllm.quantization.smoothing).
+  weights before they are quantized (`model.fp8_smoothing`, inflightllm.quantization.smoothing);
+- each fp8 variant with `-lmh`: the LM head in FP8 too (`model.fp8_lm_head`), read weight-only
+  by one-token steps; its logits are computed a row at a time so that every position takes
+  that path (the others compute a chunk's logits at once, as prefill does).
 
 The text (perf/inputs/coriolanus.txt: the opening of Shakespeare's Coriolanus, public
 domain, ~2,400 SmolLM2 tokens) is fed through the engine's own runner and paged KV cache
@@ -36,13 +39,22 @@ from inflightllm.config import EngineConfig
 from inflightllm.model_source import DEFAULT_MODEL, ModelSpec, load_tokenizer
 
 TEXT = Path(__file__).resolve().parent / "inputs" / "coriolanus.txt"
-# name -> (quantization, kv_cache_dtype, SmoothQuant alpha or None)
+# name -> (quantization, kv_cache_dtype, SmoothQuant alpha or None); a name ending in -lmh
+# adds model.fp8_lm_head, its logits computed a row at a time (as one-token steps read them).
 VARIANTS = {"base": (None, "auto", None), "fp8": ("fp8", "auto", None), "fp8-kv": ("fp8", "fp8", None),
             "fp8-smooth": ("fp8", "auto", 0.5), "fp8-kv-smooth": ("fp8", "fp8", 0.5)}
+VARIANTS.update({f"{name}-lmh": value for name, value in VARIANTS.items() if name != "base"})
 DEFAULT_VARIANTS = ("base", "fp8", "fp8-kv")
 
 
-def _chunk_logits_cpu(runner, token_ids: list[int], chunk: int):
+def _logits(model, hidden: torch.Tensor, by_row: bool, **kwargs) -> torch.Tensor:
+    """The chunk's logits at once, or a row at a time (the one-token steps' LM head path)."""
+    if not by_row:
+        return model.compute_logits(hidden, **kwargs)
+    return torch.cat([model.compute_logits(hidden[row : row + 1], **kwargs) for row in range(hidden.shape[0])])
+
+
+def _chunk_logits_cpu(runner, token_ids: list[int], chunk: int, by_row: bool = False):
     """Per chunk: float32 logits of every position, through the CPU runner's cache."""
     from inflightllm.attention import SequenceSlice
 
@@ -55,10 +67,10 @@ def _chunk_logits_cpu(runner, token_ids: list[int], chunk: int):
             [SequenceSlice(query_start=0, query_len=end - start, context_len=end, block_table=table)], runner.device
         )
         hidden = runner.model(ids, runner.attention, metadata)
-        yield runner.model.compute_logits(hidden)
+        yield _logits(runner.model, hidden, by_row)
 
 
-def _chunk_logits_gpu(runner, token_ids: list[int], chunk: int):
+def _chunk_logits_gpu(runner, token_ids: list[int], chunk: int, by_row: bool = False):
     """Per chunk: float32 logits of every position, through the CUDA runner's cache."""
     from inflightllm.gpu import ops
 
@@ -73,7 +85,7 @@ def _chunk_logits_gpu(runner, token_ids: list[int], chunk: int):
         )
         with ops.torch_stream():
             hidden = runner.model.forward(runner.input_ids[:count], runner.positions[:count], runner.attention, metadata)
-            logits = runner.model.compute_logits(hidden, dtype=torch.float32)
+            logits = _logits(runner.model, hidden, by_row, dtype=torch.float32)
         yield logits
 
 
@@ -88,7 +100,7 @@ def evaluate(spec: ModelSpec, config: EngineConfig, token_ids: list[int], chunk:
     started = time.perf_counter()
     with torch.inference_mode():
         position = 0
-        for logits in stream(runner, token_ids, chunk):
+        for logits in stream(runner, token_ids, chunk, by_row=bool(spec.fp8_lm_head)):
             count = logits.shape[0]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             targets = torch.tensor(token_ids[position + 1 : position + count + 1], device=logprobs.device)
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in VARIANTS:
             parser.error(f"--variants: {name!r} is not a variant; allowed: {', '.join(VARIANTS)}")
         quantization, kv_cache_dtype, smoothing = VARIANTS[name]
-        spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization, fp8_smoothing=smoothing)
+        spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization, fp8_smoothing=smoothing,
+                                   fp8_lm_head=True if name.endswith("-lmh") else None)
         figures = evaluate(spec, dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype), token_ids, args.chunk)
         ppl = math.exp(float(figures["nll"].mean()))
         entry = {"perplexity": ppl, "tokens": int(figures["nll"].numel()), "seconds": figures["seconds"]}
@@ -141,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["top1_agreement_with_base"] = float((figures["argmax"] == base[1]).double().mean())
         results[name] = entry
     print(f"SmolLM2-135M, {len(token_ids)} tokens of {TEXT.name}, {args.device}, {args.dtype}, chunks of {args.chunk}")
-    print(f"{'variant':<14} {'perplexity':>11} {'vs base':>8} {'top-1 agree':>12} {'seconds':>8}")
+    print(f"{'variant':<18} {'perplexity':>11} {'vs base':>8} {'top-1 agree':>12} {'seconds':>8}")
     for name, entry in results.items():
-        print(f"{name:<14} {entry['perplexity']:>11.4f} {entry['ratio_to_base']:>8.4f} "
+        print(f"{name:<18} {entry['perplexity']:>11.4f} {entry['ratio_to_base']:>8.4f} "
               f"{entry['top1_agreement_with_base']:>12.4f} {entry['seconds']:>8.1f}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

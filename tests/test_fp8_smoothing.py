@@ -94,14 +94,21 @@ def test_scales_follow_the_formula_and_stay_finite():
     assert torch.isfinite(s).all() and float(s[2]) > 0  # a dead channel: floored, not 0 or inf
 
 
+def model_profile(tmp_path: Path, model_lines: str):
+    """A profile of tiny-llama3 random weights with `model_lines` added to its model section."""
+    from inflightllm.profile import load_profile
+
+    path = tmp_path / "p.yaml"
+    path.write_text(f"name: t\nengine:\n  max_input_length: 512\n  max_output_len: 256\n"
+                    f"model:\n  source: random\n  shape: tiny-llama3\n{model_lines}")
+    return load_profile(path)
+
+
 def test_profile_key(tmp_path):
-    from inflightllm.profile import ProfileError, load_profile
+    from inflightllm.profile import ProfileError
 
     def profile(model_lines: str):
-        path = tmp_path / "p.yaml"
-        path.write_text(f"name: t\nengine:\n  max_input_length: 512\n  max_output_len: 256\n"
-                        f"model:\n  source: random\n  shape: tiny-llama3\n{model_lines}")
-        return load_profile(path)
+        return model_profile(tmp_path, model_lines)
 
     assert profile("  quantization: fp8\n  fp8_smoothing: 0.5\n").model.fp8_smoothing == 0.5
     assert profile("  quantization: fp8\n  fp8_smoothing: 0\n").model.fp8_smoothing is None

@@ -22,12 +22,13 @@ from inflightllm.models.llama import LlamaArch, mask_unsampleable, rope_inverse_
 from inflightllm.models.loader import (
     TORCH_DTYPES,
     LoadedModel,
+    check_fp8_lm_head,
     eos_token_ids,
     read_quantized_tensors,
     sampleable_vocab_size,
     smooth_before_quantizing,
 )
-from inflightllm.quantization.fp8 import FP8_DTYPE, quantize_per_channel
+from inflightllm.quantization.fp8 import FP8_DTYPE, FP8_LM_HEAD_MAX_ROWS, quantize_per_channel
 from inflightllm.quantization.schemes import detect
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class GpuLlama:
             raise ValueError("model.quantization fp8 runs on one GPU: tensor_parallel_size must be 1")
         self.quantization = quantization
         self.fp8 = False  # True once the linears hold FP8 weights
+        self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head
         self.fp8_fast_accum = os.environ.get(FP8_FAST_ACCUM_ENV, "0").strip() in ("1", "on", "true", "yes")
         self.arch = arch
         self.dtype = dtype
@@ -266,6 +268,13 @@ class GpuLlama:
                 layer[name + "_scale"] = scale.view(1, -1).contiguous()
         self.fp8 = True
         torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def quantize_lm_head(self) -> None:
+        """model.fp8_lm_head: an e4m3 copy of the LM head (per-row scales) beside the bf16 one,
+        read weight-only by one-token steps (`compute_logits`; quantization.fp8)."""
+        weight_q, scale = quantize_per_channel(self.lm_head)
+        self.lm_head_fp8 = (weight_q, scale.view(1, -1).contiguous())
 
     @torch.no_grad()
     def load_quantized(self, folder, scheme) -> list[tuple[float, float]] | None:
@@ -492,7 +501,14 @@ class GpuLlama:
         `sampleable_vocab_size` on (ids the tokenizer does not have). In `dtype`, or with
         None in the model's own dtype, as the LM head computes them (the runner's choice:
         the GPU sampler converts to float32 only where a step needs it, docs/GPU-ENGINE.md)."""
-        logits = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows] under TP
+        rows = hidden.shape[0]
+        if (self.lm_head_fp8 is not None and rows <= min(FP8_LM_HEAD_MAX_ROWS, self.small_batch_max_tokens)
+                and self.small_batch_kernels and ops.small_batch_ok(rows, self.arch.hidden_size, self.dtype)):
+            weight_q, scale = self.lm_head_fp8
+            logits = ops.small_gemv(torch.empty(rows, weight_q.shape[0], dtype=self.dtype, device=self.device),
+                                    hidden.contiguous(), weight_q, None, weight_scale=scale)
+        else:
+            logits = F.linear(hidden, self.lm_head)  # [n, this rank's vocab rows] under TP
         if self.tp is not None:
             if logits.shape[1] < self.per_rank_vocab:
                 logits = F.pad(logits, (0, self.per_rank_vocab - logits.shape[1]), value=float("-inf"))
@@ -577,6 +593,9 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
         if scheme is None and spec.fp8_smoothing:
             smooth_before_quantizing(model.hf_state_dict(), arch, spec)
         model.quantize_fp8()
+    if spec.fp8_lm_head:
+        check_fp8_lm_head(spec, quantization == "fp8")
+        model.quantize_lm_head()
     torch.cuda.synchronize(device)
     size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
     logger.info(

@@ -11,7 +11,7 @@ import torch
 
 from inflightllm.model_source import ModelSpec, load_tokenizer, prepare
 from inflightllm.models.llama import LlamaArch, LlamaForCausalLM, rope_inverse_frequencies
-from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear
+from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear, quantize_per_channel
 from inflightllm.quantization.schemes import (
     LINEAR_LEAVES,
     CheckpointQuantization,
@@ -136,6 +136,16 @@ def smooth_before_quantizing(weights: dict[str, torch.Tensor], arch, spec: Model
     smooth_model_weights(weights, arch, ids, float(spec.fp8_smoothing))
 
 
+def check_fp8_lm_head(spec: ModelSpec, fp8: bool) -> None:
+    """model.fp8_lm_head only where the linears are FP8 (quantized at load or a pre-quantized
+    checkpoint): refused, naming the key, on a 16-bit model."""
+    if not fp8:
+        raise ValueError(
+            f"model.fp8_lm_head: {spec.describe()} is not served with FP8 weights; set model.quantization: fp8 "
+            "or load an FP8 checkpoint (or drop model.fp8_lm_head)"
+        )
+
+
 def quantize_linears(model: LlamaForCausalLM) -> None:
     """FP8 at load: every decoder linear (q/k/v/o, gate/up/down) becomes an `Fp8Linear`
     with per-output-channel scales; embeddings, norms and the LM head stay as they are."""
@@ -247,6 +257,10 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         if spec.fp8_smoothing:
             smooth_before_quantizing(dict(model.named_parameters()), arch, spec)
         quantize_linears(model)
+    fp8 = scheme is not None or spec.quantization == "fp8"
+    if spec.fp8_lm_head:
+        check_fp8_lm_head(spec, fp8)
+        model.lm_head_fp8 = quantize_per_channel(model.lm_head.weight.data)
     # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
     model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)
     model.sampleable_vocab_size = sampleable_vocab_size(folder, arch.vocab_size)
@@ -260,6 +274,6 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         dtype=dtype,
         device=device,
         spec=spec,
-        quantization="fp8" if scheme is not None or spec.quantization == "fp8" else None,
+        quantization="fp8" if fp8 else None,
         kv_scales=kv_scales,
     )

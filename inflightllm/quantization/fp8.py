@@ -14,6 +14,11 @@ small-batch GPU kernels dequantize the weights in registers and keep the activat
 the model's dtype (weight-only at 1-8 rows, where the weight bytes are the cost):
 `linear_weight_only` is their reference.
 
+With `model.fp8_lm_head` the LM head is held in e4m3 too (per-row scales) and steps of at
+most `FP8_LM_HEAD_MAX_ROWS` rows (one-token decode steps: the batch-1 step, where its 1.05 GB
+of bf16 weights are an eighth of the bytes read) compute their logits weight-only from it;
+larger steps keep the bf16 head (W8A8 logits cost 0.7-1.0 % of perplexity, weight-only 0.3-0.4 %).
+
 Device-agnostic torch: the same functions run on CPU and CUDA tensors.
 """
 
@@ -22,6 +27,9 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+# Steps of at most this many rows read the FP8 LM head (model.fp8_lm_head): the one-token
+# steps that the GPU's small-batch kernels run (gpu/model.py SMALL_BATCH_MAX_TOKENS).
+FP8_LM_HEAD_MAX_ROWS = 1
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # Floor of a scale: an all-zero row or channel gets this instead of 0 (no division by zero;
 # its values quantize to 0 either way).

@@ -279,3 +279,36 @@ def test_small_batch_fp8_gemv_matches_the_weight_only_reference(tokens, rows, wi
     assert error < 5e-3, error
     with pytest.raises(ValueError, match="FP8 weights need contiguous float32 scales"):
         ops.small_gemv(out, x, weight_q, None)
+
+
+def test_fp8_lm_head_reads_e4m3_rows_in_one_token_steps():
+    """model.fp8_lm_head: one-token steps compute their logits from the e4m3 copy of the LM
+    head (small_gemv, weight-only: `linear_weight_only` is the reference); larger steps keep
+    the bf16 head; a batch-1 request decodes through it (CUDA graphs on); a 16-bit model
+    refuses the key, naming it."""
+    from inflightllm.gpu import ops
+    from inflightllm.gpu.model import load_gpu_model
+    from inflightllm.quantization.fp8 import linear_weight_only
+
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8", fp8_lm_head=True)
+    engine = Engine(spec, gpu_config(), sampler_seed=0)
+    model = engine.loaded.model
+    weight_q, scale = model.lm_head_fp8
+    assert weight_q.dtype == FP8_DTYPE and weight_q.shape == model.lm_head.shape
+    torch.manual_seed(3)
+    hidden = torch.randn(2, model.arch.hidden_size, dtype=torch.bfloat16, device="cuda")
+    with ops.torch_stream():
+        one = model.compute_logits(hidden[:1])
+        two = model.compute_logits(hidden)
+    torch.cuda.synchronize()
+    vocab = model.sampleable_vocab_size or one.shape[1]
+    expected = linear_weight_only(hidden[:1], weight_q, scale.view(-1)).float()[:, :vocab]
+    error = float((one[:, :vocab] - expected).norm() / expected.norm())
+    assert error < 5e-3, error
+    bf16 = torch.nn.functional.linear(hidden, model.lm_head).float()[:, :vocab]
+    torch.testing.assert_close(two[:, :vocab], bf16, rtol=0, atol=0)
+    assert float((one[:, :vocab] - bf16[:1]).abs().max()) > 0  # the e4m3 head, not the bf16 one
+    results = run(engine, make_prompts(1, engine.vocab_size, seed=4), [16])
+    assert len(results[0].token_ids) == 16
+    with pytest.raises(ValueError, match="model.fp8_lm_head: .* is not served with FP8 weights"):
+        load_gpu_model(dataclasses.replace(spec, quantization=None), gpu_config())
