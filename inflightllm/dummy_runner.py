@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from inflightllm.env_settings import env_number
 from inflightllm.model_runner import CompletedStep, RequestStates
 from inflightllm.model_source import ModelSpec, prepare
 from inflightllm.models.llama import LlamaArch
@@ -36,6 +37,12 @@ from inflightllm.models.loader import (
 from inflightllm.step import SampledTokens, StepDescription
 
 _MASK = (1 << 64) - 1
+STEP_MS_ENV = "INFLIGHTLLM_DUMMY_STEP_MS"
+
+
+def step_seconds() -> float:
+    """INFLIGHTLLM_DUMMY_STEP_MS (0 to 10,000 ms, default 0) in seconds."""
+    return env_number(STEP_MS_ENV, 0.0, 0.0, 10_000.0, "milliseconds a dummy step waits") / 1e3
 LOGPROBS_REFUSED = (
     "the dummy engine (engine.runner: dummy) computes no log probs; "
     "send the request without return_log_probs / num_top_logprobs"
@@ -94,6 +101,9 @@ class DummyRunner:
         self.states = RequestStates()
         self._prompt_keys: dict[str, int] = {}
         self._position_mix: list[int] = []  # _mix(position) by output position
+        # INFLIGHTLLM_DUMMY_STEP_MS: a step's wait for its "device" (GIL released, as a GPU
+        # runner's), to give the response path a model's pace (perf/bench_gpu_server.py).
+        self.step_s = step_seconds()
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, num_blocks: int) -> DummyRunner:
@@ -111,7 +121,7 @@ class DummyRunner:
         # to wait for, so it yields the GIL once per step (a zero-length wait). Without it
         # the loop thread, which then never blocks, holds the GIL for whole switch intervals
         # (5 ms) and starves the response sender thread it is meant to measure.
-        time.sleep(0)
+        time.sleep(self.step_s)
         for request_id in step.finished_request_ids:
             self._prompt_keys.pop(request_id, None)
         # No KV memory: swaps move nothing. The states keep the tokens and block tables.

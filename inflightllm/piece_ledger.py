@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,7 @@ class PieceLedger:
         self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]
         self._base = 0  # pieces written off as lost (see wait_for_room)
         self.waits = 0
+        self._samples: deque[tuple[float, int]] = deque()  # (time, answered), for drain_s
 
     @classmethod
     def create(cls, window: int | None = None, max_wait_s: float | None = None,
@@ -138,6 +140,22 @@ class PieceLedger:
                     self._base = int(self._counters[0])
                 break
             time.sleep(sleep_s)
+
+    def drain_s(self, now: float | None = None, span_s: float = 1.0) -> float:
+        """Seconds until the pieces now in between are answered, at the rate postprocessing
+        answered them over the last `span_s` (sampled at each call); 0 while in between is
+        empty or no rate is known yet (fewer than 50 ms of samples, or no answer in them)."""
+        now = time.monotonic() if now is None else now
+        answered = self.answered
+        samples = self._samples
+        samples.append((now, answered))
+        while len(samples) > 2 and now - samples[1][0] >= span_s:
+            samples.popleft()
+        in_flight = self.in_flight
+        then, answered_then = samples[0]
+        if in_flight <= 0 or now - then < 0.05 or answered <= answered_then:
+            return 0.0
+        return in_flight * (now - then) / (answered - answered_then)
 
     def close(self) -> None:
         try:

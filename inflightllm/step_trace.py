@@ -15,7 +15,8 @@ Under the server the response sender (inflightllm/serving/engine_loop.py) writes
 (`clock_s`, the same clock), how long it waited for postprocessing (the piece ledger's
 backpressure), the pieces in between and answered then, the responses it sent and how long
 sending them took, and the pieces answered by its end. With the step trace it shows whether
-the sends or postprocessing's answers set the pace after the last step.
+the sends or postprocessing's answers set the pace after the last step; `held`: the
+requests whose pieces the round kept for their final one (ResponseSender, "holding near the end").
 Off unless the variable is set; the files are line-buffered, so a killed server leaves
 every line written.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 FIELDS = ("start_ms", "dur_ms", "gap_ms", "schedule_ms", "launch_ms", "wait_ms", "emit_ms",
           "tokens", "running", "waiting", "added", "outputs", "clock_s")
 SENDER_FIELDS = ("clock_s", "wait_ms", "in_flight", "answered", "items", "responses", "outputs", "finals",
-                 "send_ms", "answered_after")
+                 "send_ms", "answered_after", "held")
 _COUNTER = itertools.count()
 _SENDER_COUNTER = itertools.count()
 
@@ -97,9 +98,9 @@ class SenderTrace:
         return None if path is None else cls(path)
 
     def round(self, began: float, waited_s: float, in_flight: int, answered: int, items: int, responses: int,
-              outputs: int, finals: int, send_s: float, answered_after: int) -> None:
+              outputs: int, finals: int, send_s: float, answered_after: int, held: int = 0) -> None:
         self._file.write(f"{began:.6f}\t{waited_s * 1e3:.3f}\t{in_flight}\t{answered}\t{items}\t{responses}"
-                         f"\t{outputs}\t{finals}\t{send_s * 1e3:.3f}\t{answered_after}\n")
+                         f"\t{outputs}\t{finals}\t{send_s * 1e3:.3f}\t{answered_after}\t{held}\n")
 
     def close(self) -> None:
         self._file.close()

@@ -7,7 +7,8 @@
 #   m0: INFLIGHTLLM_METRICS_BACKGROUND=0 (finished requests' metrics on the loop's thread);
 #   t<ms>: INFLIGHTLLM_PIECE_MAX_WAIT_MS=<ms> (the sender's longest wait for room); pb: postprocessing
 #   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch);
-#   i<us>: INFLIGHTLLM_SWITCH_INTERVAL_US=<us> (the engine process's thread switch interval). Join
+#   i<us>: INFLIGHTLLM_SWITCH_INTERVAL_US=<us> (the engine process's thread switch interval); h0:
+#   INFLIGHTLLM_SENDER_HOLD=0 (no holding near the end: inflightllm/serving/engine_loop.py). Join
 #   variants with '+': pb+i500.
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
 #   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE); SKIP_ENGINE=1
@@ -39,6 +40,7 @@ for variant in $VARIANTS; do
       y*) env_args+=(INFLIGHTLLM_SENDER_YIELD_US="${part#y}") ;;
       w*) env_args+=(INFLIGHTLLM_PIECE_WINDOW="${part#w}") ;;
       m0) env_args+=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;
+      h0) env_args+=(INFLIGHTLLM_SENDER_HOLD=0) ;;
       t*) env_args+=(INFLIGHTLLM_PIECE_MAX_WAIT_MS="${part#t}") ;;
       i*) env_args+=(INFLIGHTLLM_SWITCH_INTERVAL_US="${part#i}") ;;
       *) known=0 ;;

@@ -112,3 +112,23 @@ def test_the_engine_refuses_a_dummy_on_a_gpu_or_an_unknown_runner():
         Engine(SMOLLM2_SHAPE, EngineConfig(runner="dummy", device="gpu", gpu_ids=(0,)))
     with pytest.raises(ValueError, match="engine runner 'fast' is not one of model, dummy"):
         Engine(SMOLLM2_SHAPE, EngineConfig(runner="fast"))
+
+
+def test_a_step_can_wait_as_a_device_would(monkeypatch):
+    """INFLIGHTLLM_DUMMY_STEP_MS: each step waits that long (the GIL released), so that the
+    response path sees a model's pace; a bad value is refused with the variable's range."""
+    import time
+
+    from inflightllm.dummy_runner import STEP_MS_ENV, step_seconds
+
+    assert step_seconds() == 0.0
+    monkeypatch.setenv(STEP_MS_ENV, "30")
+    engine = dummy_engine()
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    assert time.perf_counter() - start >= 3 * 0.03
+    monkeypatch.setenv(STEP_MS_ENV, "-1")
+    with pytest.raises(ValueError, match="INFLIGHTLLM_DUMMY_STEP_MS='-1': give milliseconds a dummy step waits"):
+        step_seconds()

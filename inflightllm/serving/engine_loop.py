@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
-from inflightllm.env_settings import env_number
+from inflightllm.env_settings import env_number, env_switch
 from inflightllm.piece_ledger import PieceLedger
 from inflightllm.sampling_params import InvalidRequestError
 from inflightllm.serving.engine_io import EngineRequest, output_tensors
@@ -309,6 +309,7 @@ class EngineLoop:
             logger.exception("sending an error response failed")
 
 
+SENDER_HOLD_ENV = "INFLIGHTLLM_SENDER_HOLD"  # 0: no holding near the end (ResponseSender)
 SENDER_YIELD_ENV = "INFLIGHTLLM_SENDER_YIELD_US"
 # Off by default. 200 raised stream=true through Triton on the H200 by about 4 % (0.84-0.89x
 # to 0.88-0.95x of engine-only), but with any pause Triton 2.51 intermittently kept the
@@ -345,6 +346,16 @@ class ResponseSender:
     when more than one waits (the stream fell behind). Errors keep their place in the
     order. A send that raises marks the request failed; the loop thread aborts it.
 
+    Holding near the end: while postprocessing is behind, a piece sent now is answered only
+    once the pieces already in between are (the ledger's `drain_s`). A streaming request
+    that will have finished by then (its tokens left to `max_tokens`, at the recent time
+    between steps) gains nothing from a piece now: its outputs are kept and go out with its
+    final one, one piece instead of several, and the queue in front of the finals is shorter.
+    With 1,024 streams that end in one step the finals then wait behind fewer pieces. Single
+    sequences only (not n, best_of or beams); an error for the request, a round with no
+    backlog, or the sender stopping sends what is kept. INFLIGHTLLM_SENDER_HOLD=0 turns it
+    off (measurements).
+
     With `yield_s` the sender sleeps that long after each response but a round's last,
     which releases the GIL: a loop thread waiting for it takes it then, instead of after
     Python's switch interval (5 ms).
@@ -367,6 +378,12 @@ class ResponseSender:
         self._thread = threading.Thread(target=self._run, name="inflightllm-response-sender", daemon=True)
         self.responses_sent = 0
         self.outputs_coalesced = 0
+        # Holding near the end (above): key -> [outputs, request, sink] kept for a later round.
+        self.hold = env_switch(SENDER_HOLD_ENV)
+        self._held: dict = {}
+        self._last_put: float | None = None
+        self._step_s = 0.0  # the time between two steps' outputs, smoothed
+        self.rounds_held = 0  # requests kept by a round, summed over rounds
         # INFLIGHTLLM_STEP_TRACE: one line a round (inflightllm/step_trace.py's SenderTrace)
         self._trace = SenderTrace.from_env()
 
@@ -374,6 +391,11 @@ class ResponseSender:
         self._thread.start()
 
     def put(self, batch) -> None:
+        now = time.monotonic()
+        if self._last_put is not None:  # the loop thread's calls only: one a step
+            gap = min(now - self._last_put, 1.0)
+            self._step_s = gap if not self._step_s else 0.8 * self._step_s + 0.2 * gap
+        self._last_put = now
         with self._condition:
             self._queue.append(("outputs", batch))
             self._condition.notify()
@@ -391,7 +413,7 @@ class ResponseSender:
 
     @property
     def num_pending(self) -> int:
-        return len(self._queue) + self._busy
+        return len(self._queue) + self._busy + len(self._held)
 
     def stop(self, timeout_s: float) -> None:
         """Send everything queued, then end the thread."""
@@ -407,14 +429,17 @@ class ResponseSender:
                 with self._condition:
                     while not self._queue and not self._stopping:
                         self._condition.wait()
-                    if not self._queue and self._stopping:
+                    if not self._queue and self._stopping and not self._held:
                         return
                 trace = self._trace
                 if trace is not None:
                     began = time.perf_counter()
                     in_flight, answered = (self.ledger.in_flight, self.ledger.answered) if self.ledger else (0, 0)
+                horizon_s = 0.0
                 if self.ledger is not None and not self._stopping:
                     self.ledger.wait_for_room()  # meanwhile outputs queue up: they go out coalesced
+                    if self.hold:
+                        horizon_s = self.ledger.drain_s()
                 with self._condition:
                     items = list(self._queue)
                     self._queue.clear()
@@ -423,7 +448,7 @@ class ResponseSender:
                     sending = time.perf_counter()
                     sent_before = self.responses_sent
                 try:
-                    self._send_all(items)
+                    self._send_all(items, horizon_s)
                 finally:
                     self._busy = 0
                 if trace is not None:
@@ -431,20 +456,35 @@ class ResponseSender:
                     trace.round(began, sending - began, in_flight, answered, len(items),
                                 self.responses_sent - sent_before, sum(len(batch) for batch in batches),
                                 sum(1 for batch in batches for output, _, _ in batch if output.finished),
-                                time.perf_counter() - sending, self.ledger.answered if self.ledger else 0)
+                                time.perf_counter() - sending, self.ledger.answered if self.ledger else 0,
+                                len(self._held))
         finally:
             if self._trace is not None:
                 self._trace.close()
 
-    def _send_all(self, items) -> None:
+    def _holds(self, entry, horizon_s: float, erred: set[int]) -> bool:
+        """Whether this request's outputs wait for its final one (the class docstring)."""
+        outputs, request, sink = entry
+        last = outputs[-1]
+        if (last.finished or last.sequence_finished is not None or last.beam_token_ids is not None
+                or request.group is not None or not request.streaming or id(sink) in erred):
+            return False
+        left = request.params.max_tokens - last.num_output_tokens
+        return 0 < left and left * self._step_s <= horizon_s
+
+    def _send_all(self, items, horizon_s: float = 0.0) -> None:
         # Merge each request's outputs across the queued steps; keep first-seen order. The
         # outputs of one request with several (n, beams) merge per sequence, never across.
-        merged: dict = {}
-        order: list = []
+        # What earlier rounds held comes first, merged with the request's newer outputs.
+        merged: dict = self._held
+        self._held = {}
+        order: list = [("request", key) for key in merged]
         finals = False
+        erred: set[int] = set()  # id() of sinks with an error in this round: nothing of theirs is held
         for item in items:
             if item[0] == "error":
                 order.append(item)
+                erred.add(id(item[1]))
                 continue
             for output, request, sink in item[1]:
                 key = output.request_id if not output.sequence_index else (output.request_id, output.sequence_index)
@@ -458,6 +498,13 @@ class ResponseSender:
                 finals = finals or (output.finished and output.sequence_finished is not None)
         if finals:  # a request's final response goes after its other sequences' responses
             order.sort(key=lambda item: item[0] == "request" and merged[item[1]][0][-1].finished)
+        if horizon_s > 0.0 and self._step_s > 0.0:
+            kept = [item for item in order if item[0] == "request" and self._holds(merged[item[1]], horizon_s, erred)]
+            if kept:
+                for item in kept:
+                    self._held[item[1]] = merged[item[1]]
+                self.rounds_held += len(kept)
+                order = [item for item in order if not (item[0] == "request" and item[1] in self._held)]
         self._busy = len(order)
         pause = self.yield_s
         for index, item in enumerate(order):
