@@ -125,3 +125,15 @@ def test_the_ledger_estimates_the_drain_from_the_recent_answer_rate():
         assert ledger.drain_s(now=13.1) == 0.0  # nothing in between
     finally:
         ledger.close()
+
+
+def test_outputs_are_never_held_past_the_drain_seen_when_holding_began(sender):
+    """A request that ends later than its tokens left say (e.g. preempted) does not keep its
+    tokens longer than a piece sent at the first hold would have waited."""
+    sink, request = Sink(), engine_request([1, 2, 3, 4], 8)
+    sender._send_all([("outputs", [(output(0, 101, 1), request, sink)])], horizon_s=0.5, now=100.0)
+    sender._send_all([("outputs", [(output(0, 102, 2), request, sink)])], horizon_s=0.5, now=100.4)
+    assert sink.events == [] and sender._held_until == {EngineLoop.request_id(0): 100.5}
+    sender._send_all([("outputs", [(output(0, 103, 3), request, sink)])], horizon_s=0.5, now=100.5)
+    assert sink.events == [("response", [101, 102, 103], False)] and sender._held == {}
+    assert sender._held_until == {}

@@ -351,7 +351,9 @@ class ResponseSender:
     that will have finished by then (its tokens left to `max_tokens`, at the recent time
     between steps) gains nothing from a piece now: its outputs are kept and go out with its
     final one, one piece instead of several, and the queue in front of the finals is shorter.
-    With 1,024 streams that end in one step the finals then wait behind fewer pieces. Single
+    With 1,024 streams that end in one step the finals then wait behind fewer pieces. Never
+    past the time a piece sent when the holding began would have been answered (a preempted
+    request may end later than its tokens left say): then what is kept goes out. Single
     sequences only (not n, best_of or beams); an error for the request, a round with no
     backlog, or the sender stopping sends what is kept. INFLIGHTLLM_SENDER_HOLD=0 turns it
     off (measurements).
@@ -381,6 +383,9 @@ class ResponseSender:
         # Holding near the end (above): key -> [outputs, request, sink] kept for a later round.
         self.hold = env_switch(SENDER_HOLD_ENV)
         self._held: dict = {}
+        # key -> when the held outputs would have been answered had they been sent when first
+        # held (that round's clock + drain): past it they go, whatever the request's end.
+        self._held_until: dict = {}
         self._last_put: float | None = None
         self._step_s = 0.0  # the time between two steps' outputs, smoothed
         self.rounds_held = 0  # requests kept by a round, summed over rounds
@@ -472,12 +477,14 @@ class ResponseSender:
         left = request.params.max_tokens - last.num_output_tokens
         return 0 < left and left * self._step_s <= horizon_s
 
-    def _send_all(self, items, horizon_s: float = 0.0) -> None:
+    def _send_all(self, items, horizon_s: float = 0.0, now: float | None = None) -> None:
         # Merge each request's outputs across the queued steps; keep first-seen order. The
         # outputs of one request with several (n, beams) merge per sequence, never across.
         # What earlier rounds held comes first, merged with the request's newer outputs.
         merged: dict = self._held
-        self._held = {}
+        deadlines = self._held_until
+        self._held, self._held_until = {}, {}
+        now = time.monotonic() if now is None else now
         order: list = [("request", key) for key in merged]
         finals = False
         erred: set[int] = set()  # id() of sinks with an error in this round: nothing of theirs is held
@@ -499,10 +506,12 @@ class ResponseSender:
         if finals:  # a request's final response goes after its other sequences' responses
             order.sort(key=lambda item: item[0] == "request" and merged[item[1]][0][-1].finished)
         if horizon_s > 0.0 and self._step_s > 0.0:
-            kept = [item for item in order if item[0] == "request" and self._holds(merged[item[1]], horizon_s, erred)]
+            kept = [item for item in order if item[0] == "request" and now < deadlines.get(item[1], float("inf"))
+                    and self._holds(merged[item[1]], horizon_s, erred)]
             if kept:
                 for item in kept:
                     self._held[item[1]] = merged[item[1]]
+                    self._held_until[item[1]] = deadlines.get(item[1], now + horizon_s)
                 self.rounds_held += len(kept)
                 order = [item for item in order if not (item[0] == "request" and item[1] in self._held)]
         self._busy = len(order)
