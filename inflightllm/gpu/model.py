@@ -568,6 +568,8 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     arch = LlamaArch.from_config(hf_config)
     scheme = detect(folder, hf_config) if spec.source == "hf_folder" else None
     quantization = "fp8" if scheme is not None or spec.quantization == "fp8" else None
+    if spec.fp8_lm_head:  # refused before any weight is read
+        check_fp8_lm_head(spec, quantization == "fp8")
     if quantization and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
         raise ValueError(
             "model.quantization fp8 (or an FP8 checkpoint) runs on one GPU for now: "
@@ -594,7 +596,6 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
             smooth_before_quantizing(model.hf_state_dict(), arch, spec)
         model.quantize_fp8()
     if spec.fp8_lm_head:
-        check_fp8_lm_head(spec, quantization == "fp8")
         model.quantize_lm_head()
     torch.cuda.synchronize(device)
     size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())

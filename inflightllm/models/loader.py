@@ -241,6 +241,9 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = LlamaArch.from_config(config)
     scheme = detect(folder, config) if spec.source == "hf_folder" else None
+    fp8 = scheme is not None or spec.quantization == "fp8"
+    if spec.fp8_lm_head:  # refused before any weight is read
+        check_fp8_lm_head(spec, fp8)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     model = model.to_empty(device=device).to(dtype)
@@ -257,9 +260,7 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         if spec.fp8_smoothing:
             smooth_before_quantizing(dict(model.named_parameters()), arch, spec)
         quantize_linears(model)
-    fp8 = scheme is not None or spec.quantization == "fp8"
     if spec.fp8_lm_head:
-        check_fp8_lm_head(spec, fp8)
         model.lm_head_fp8 = quantize_per_channel(model.lm_head.weight.data)
     # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
     model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)
