@@ -53,6 +53,7 @@ HEADER = (
     "sequence_index",  # which output of the request (n > 1: docs/SEQUENCE-GROUPS.md); 0 otherwise
     "num_beams",  # beam search: the beams this response carries (pack_beams); 0 otherwise
     "pad_id",  # beam search: what pads the beams' output_ids to one length
+    "ticket",  # the piece's slot in the sender's ledger, marked when postprocessing has sent it on (-1: none)
 )
 HEADER_LEN = len(HEADER)
 
@@ -73,6 +74,7 @@ def pack(
     num_top_rows: int,
     sender: int = 0,
     sequence_index: int = 0,
+    ticket: int = -1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(engine_out_i32, engine_out_f32), each [1, n] (leading batch dimension 1).
     `num_top_rows`: the generated tokens of this response (the top log prob tensors are
@@ -81,7 +83,7 @@ def pack(
     if top_k and len(top_logprob_ids) != rows:
         raise ValueError(f"top log probs: {len(top_logprob_ids)} rows for {rows} generated tokens")
     ints = [finish_reason, num_input_tokens, num_output_tokens, num_cached_tokens,
-            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k, sender, sequence_index, 0, 0]
+            len(output_ids), len(context_ids), len(output_log_probs), rows, top_k, sender, sequence_index, 0, 0, ticket]
     ints += output_ids
     ints += context_ids
     floats = [cum_log_probs]
@@ -106,6 +108,7 @@ def pack_beams(
     beam_logprobs: Sequence[Sequence[float]],
     pad_id: int,
     sender: int = 0,
+    ticket: int = -1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(engine_out_i32, engine_out_f32) of a beam search response, each [1, n]: every beam's
     ids (the prompt first where echoed), cumulative log prob and per-token log probs
@@ -117,7 +120,7 @@ def pack_beams(
     id_lengths = [len(ids) for ids in beam_token_ids]
     logprob_lengths = [len(values) for values in beam_logprobs]
     ints = [finish_reason, num_input_tokens, num_output_tokens, num_cached_tokens,
-            sum(id_lengths), 0, sum(logprob_lengths), 0, 0, sender, 0, num_beams, pad_id]
+            sum(id_lengths), 0, sum(logprob_lengths), 0, 0, sender, 0, num_beams, pad_id, ticket]
     ints += id_lengths
     ints += logprob_lengths
     for ids in beam_token_ids:
@@ -184,6 +187,15 @@ def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
         return 0
     ints = np.asarray(ints).reshape(-1)
     return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
+
+
+def ticket(inputs: Mapping[str, np.ndarray | None]) -> int:
+    """The piece's ticket in its sender's ledger (-1: none, or not a well-formed packed response)."""
+    ints = inputs.get(PACKED_I32)
+    if ints is None:
+        return -1
+    ints = np.asarray(ints).reshape(-1)
+    return int(ints[HEADER.index("ticket")]) if len(ints) >= HEADER_LEN else -1
 
 
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:

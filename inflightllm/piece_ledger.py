@@ -8,10 +8,11 @@ a piece per stream per step, the queue behind postprocessing grows, and every to
 reaches its client late; coalescing, which would have carried the same tokens in fewer
 pieces, never happens because the sender itself is never behind.
 
-The ledger is that sign. Each engine instance owns a 16-byte file in /dev/shm, named by
+The ledger is that sign. Each engine instance owns a small file in /dev/shm, named by
 a random 31-bit id (not the process id: containers with their own process ids may share
-/dev/shm), with two counters: pieces sent (written by the engine only) and pieces done
-(written by postprocessing only: it is one instance). The engine puts the id in each
+/dev/shm), of 1 + DONE_SLOTS counters: pieces sent (written by the engine only) and pieces
+done, one counter for each postprocessing instance (`done_slot`: each is written by one
+process only, so no increment is lost; the engine reads their sum). The engine puts the id in each
 packed response (`inflightllm.packed_outputs`, the header's `sender`); postprocessing
 counts the pieces it has answered in that ledger. The engine's response sender waits, before each
 round, while more than `window` pieces are in between: its outputs queue meanwhile and go
@@ -19,7 +20,14 @@ out coalesced. An idle server never waits. The wait is bounded (`max_wait_s`), a
 ledger whose `done` stops moving is re-based, so pieces that never reach postprocessing
 (a client that went away) cannot stall the engine. Where /dev/shm is missing, or the file
 cannot be made, there is no ledger and no backpressure. The engine model removes its file
-when it is unloaded; an engine process killed outright leaves its 16 bytes behind.
+when it is unloaded; an engine process killed outright leaves its 64 KiB behind.
+
+The file also holds TICKETS one-byte tickets, the order of a stream's pieces: each packed
+piece carries a free ticket (`packed_outputs` header `ticket`), which postprocessing marks
+once it has sent the piece on, and the engine's sender keeps a stream's next piece (its
+outputs coalesce meanwhile) until its previous piece is marked (ResponseSender). With
+several postprocessing instances, which take pieces as they come, a stream's pieces thus
+still leave in order. A marked ticket is given back; one written off is never reused.
 
 `window` (64) and `max_wait_s` (50 ms) can be changed for measurements with
 INFLIGHTLLM_PIECE_WINDOW (pieces) and INFLIGHTLLM_PIECE_MAX_WAIT_MS (perf/run_sender_gil_ab.sh):
@@ -48,6 +56,10 @@ WINDOW_ENV = "INFLIGHTLLM_PIECE_WINDOW"
 MAX_WAIT_ENV = "INFLIGHTLLM_PIECE_MAX_WAIT_MS"
 STALL_S = 0.05  # a wait ends when postprocessing answered nothing for this long
 STALL_ENV = "INFLIGHTLLM_PIECE_STALL_MS"
+DONE_SLOTS = 16  # postprocessing instances with a done counter of their own
+TICKETS = 65536  # pieces that can be in flight with a ticket at once
+TICKETS_OFFSET = 8 * (1 + DONE_SLOTS)
+LEDGER_BYTES = TICKETS_OFFSET + TICKETS
 
 
 def window_setting() -> int:
@@ -84,8 +96,12 @@ class PieceLedger:
         self.max_wait_s = max_wait_s
         self.stall_s = stall_s
         with open(path, "xb") as file:  # a new file: never another engine's ledger
-            file.write(bytes(16))
-        self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))  # [sent, done]
+            file.write(bytes(LEDGER_BYTES))
+        # [sent, done of postprocessing instance 0, 1, ...]
+        self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(1 + DONE_SLOTS,))
+        # One byte a ticket: 0 while its piece is on its way, 1 once postprocessing has sent it on.
+        self._marks = np.memmap(path, dtype=np.uint8, mode="r+", offset=TICKETS_OFFSET, shape=(TICKETS,))
+        self._free_tickets = list(range(TICKETS - 1, -1, -1))
         self._base = 0  # pieces written off as lost (see wait_for_room)
         self.waits = 0
         self._samples: deque[tuple[float, int]] = deque()  # (time, answered), for drain_s
@@ -115,10 +131,27 @@ class PieceLedger:
     @property
     def answered(self) -> int:
         """The pieces postprocessing has answered so far (its side of the ledger)."""
-        return int(self._counters[1])
+        return int(self._counters[1:].sum())
 
     def count_sent(self, pieces: int = 1) -> None:
         self._counters[0] += pieces
+
+    def take_ticket(self) -> int:
+        """A free ticket, marked unanswered, for a piece about to be sent; -1 when none is free."""
+        if not self._free_tickets:
+            return -1
+        ticket = self._free_tickets.pop()
+        self._marks[ticket] = 0
+        return ticket
+
+    def answered_tickets(self, tickets: np.ndarray) -> np.ndarray:
+        """Which of these tickets postprocessing has marked (a bool array like `tickets`)."""
+        return self._marks[tickets] != 0
+
+    def release_ticket(self, ticket: int) -> None:
+        """Give back a ticket whose piece was answered (never one written off: a late mark
+        would then answer the next piece that takes it)."""
+        self._free_tickets.append(ticket)
 
     def wait_for_room(self, sleep_s: float = 0.0002) -> None:
         """Return once at most `window` pieces are in between, after `max_wait_s`, or when
@@ -164,29 +197,46 @@ class PieceLedger:
             pass
 
 
+def done_slot(instance_name: str) -> int:
+    """The done counter of a postprocessing instance named by Triton (`postprocessing_0_3`:
+    group 0, instance 3): its instance index modulo DONE_SLOTS (0 where the name has none)."""
+    tail = instance_name.rsplit("_", 1)[-1]
+    return int(tail) % DONE_SLOTS if tail.isdigit() else 0
+
+
 class PieceCounter:
-    """Postprocessing's side: counts the pieces it has answered, per engine ledger."""
+    """Postprocessing's side: counts the pieces it has answered, per engine ledger, in the
+    done counter `slot` (done_slot(): one of its own for each instance)."""
 
     MAX_LEDGERS = 64
 
-    def __init__(self):
-        self._open: dict[int, np.memmap | None] = {}
+    def __init__(self, slot: int = 0):
+        if not 0 <= slot < DONE_SLOTS:
+            raise ValueError(f"done slot {slot}: allowed 0 to {DONE_SLOTS - 1}")
+        self.slot = slot
+        self._open: dict[int, tuple[np.memmap, np.memmap] | None] = {}
 
-    def count_done(self, ledger_id: int, pieces: int = 1) -> None:
-        """Count `pieces` answered in the ledger with this id (ignored when there is none:
-        an engine without /dev/shm, a direct client's made-up id)."""
-        counters = self._open.get(ledger_id, False)
-        if counters is False:
-            counters = None
+    def count_done(self, ledger_id: int, pieces: int = 1, ticket: int = -1) -> None:
+        """Count `pieces` answered in the ledger with this id and mark `ticket` (when one,
+        0 to TICKETS - 1); ignored when there is no such ledger: an engine without
+        /dev/shm, a direct client's made-up id. Called once the piece has been sent on, so
+        that the engine sends the stream's next piece only after it (ResponseSender)."""
+        opened = self._open.get(ledger_id, False)
+        if opened is False:
+            opened = None
             if ledger_id > 0:
                 try:
                     path = ledger_path(ledger_id)
-                    if path.stat().st_size == 16:
-                        counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(2,))
+                    if path.stat().st_size == LEDGER_BYTES:
+                        opened = (np.memmap(path, dtype=np.uint64, mode="r+", shape=(1 + DONE_SLOTS,)),
+                                  np.memmap(path, dtype=np.uint8, mode="r+", offset=TICKETS_OFFSET, shape=(TICKETS,)))
                 except (OSError, ValueError):
-                    counters = None
+                    opened = None
             if len(self._open) >= self.MAX_LEDGERS:
                 self._open.pop(next(iter(self._open)))
-            self._open[ledger_id] = counters
-        if counters is not None:
-            counters[1] += pieces
+            self._open[ledger_id] = opened
+        if opened is not None:
+            counters, marks = opened
+            counters[1 + self.slot] += pieces
+            if 0 <= ticket < TICKETS:
+                marks[ticket] = 1

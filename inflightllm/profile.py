@@ -40,6 +40,7 @@ from inflightllm.model_source import (
     kv_element_bytes,
     model_dims,
 )
+from inflightllm.piece_ledger import DONE_SLOTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE = REPO_ROOT / "profiles" / "smollm2-cpu.yaml"
@@ -66,11 +67,10 @@ SOURCE_REQUIRED_KEYS = {"gguf_package": ("package", "file"), "hf_folder": ("path
 DEVICE_KEYS = ("kind", "gpu_ids", "tensor_parallel_size", "data_parallel_size")
 DATA_PARALLEL_MAX = 64
 INSTANCE_KEYS = ("preprocessing", "postprocessing")
-# postprocessing runs one instance on Triton's default scheduler (templates/postprocessing.pbtxt.j2).
-POSTPROCESSING_INSTANCES_PROBLEM = (
-    "postprocessing runs exactly one instance: it relays client cancellations to the engine "
-    "and keeps each stream's pieces in order (docs/INTERFACE.md); allowed: 1"
-)
+# postprocessing runs on Triton's default scheduler (templates/postprocessing.pbtxt.j2); with
+# more than one instance it is decoupled, and the engine keeps one piece of a stream in flight
+# so that the instances deliver a stream's pieces in order (docs/INTERFACE.md).
+POSTPROCESSING_MAX_INSTANCES = DONE_SLOTS
 QUEUE_POLICY_KEYS = ("max_queue_size", "default_timeout_microseconds")
 DYNAMIC_BATCHING_KEYS = ("preferred_batch_size", "max_queue_delay_microseconds")
 # EngineConfig fields that do not come from `engine:` (device ones come from `device:`,
@@ -271,9 +271,9 @@ def validate_profile_dict(data: dict, source_path) -> Profile:
     instances_preprocessing = reader.integer(
         instances.get("preprocessing", DEFAULT_INSTANCES), "instances.preprocessing", 1, 64
     )
-    instances_postprocessing = reader.integer(instances.get("postprocessing", 1), "instances.postprocessing")
-    if instances_postprocessing != 1:
-        reader.fail("instances.postprocessing", f"{instances_postprocessing} is not allowed; {POSTPROCESSING_INSTANCES_PROBLEM}")
+    instances_postprocessing = reader.integer(
+        instances.get("postprocessing", 1), "instances.postprocessing", 1, POSTPROCESSING_MAX_INSTANCES
+    )
     engine = _read_engine(reader, data, kind, gpu_ids, tensor_parallel_size, data_parallel_size)
     preferred_batch_size, max_queue_delay = _read_dynamic_batching(reader, data)
 

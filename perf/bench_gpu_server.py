@@ -516,6 +516,12 @@ def server_phase(name: str, url: str, texts: list[str], workload: Workload, stre
         "e2e_ms": _percentiles_ms([r["end"] - r["send"] for r in done]),
         "send_spread_ms": round((max(r["send"] for r in records) - min(r["send"] for r in records)) * 1000, 1)
         if records else None,
+        # On the host's monotonic clock, as the engine's step and sender traces (INFLIGHTLLM_STEP_TRACE,
+        # clock_s): where the client's time went before the first step and after the last.
+        "clock_s": {"start": round(started, 6),
+                    "first_send": round(min(r["send"] for r in records), 6) if records else None,
+                    "first_end": round(min(r["end"] for r in done), 6) if done else None,
+                    "last_end": round(max(r["end"] for r in done), 6) if done else None},
         "client": {"processes": len(processes), "cpu_s": round(sum(client_cpu), 2),
                    "cores_used": round(sum(client_cpu) / wall, 2) if wall else None,
                    "busiest_process_share": round(max(client_cpu) / wall, 2) if wall and client_cpu else None,

@@ -8,7 +8,8 @@
 #   t<ms>: INFLIGHTLLM_PIECE_MAX_WAIT_MS=<ms> (the sender's longest wait for room); pb: postprocessing
 #   behind a dynamic batcher (bench_gpu_server.py --postprocessing-dynamic-batching, a measurement switch);
 #   i<us>: INFLIGHTLLM_SWITCH_INTERVAL_US=<us> (the engine process's thread switch interval); h0:
-#   INFLIGHTLLM_SENDER_HOLD=0 (no holding near the end: inflightllm/serving/engine_loop.py). Join
+#   INFLIGHTLLM_SENDER_HOLD=0 (no holding near the end: inflightllm/serving/engine_loop.py); p<n>:
+#   the profile with `instances.postprocessing: n` (bench_gpu_server.py --set). Join
 #   variants with '+': pb+i500.
 #   PHASES="nostream stream" runs both server phases a variant (default: stream); TRACE=1 writes
 #   each variant's engine step trace to $OUT/<variant>/trace (INFLIGHTLLM_STEP_TRACE); SKIP_ENGINE=1
@@ -37,6 +38,7 @@ for variant in $VARIANTS; do
     case "$part" in
       base) ;;
       pb) extra+=(--postprocessing-dynamic-batching) ;;
+      p[0-9]*) extra+=(--set "instances.postprocessing=${part#p}") ;;
       y*) env_args+=(INFLIGHTLLM_SENDER_YIELD_US="${part#y}") ;;
       w*) env_args+=(INFLIGHTLLM_PIECE_WINDOW="${part#w}") ;;
       m0) env_args+=(INFLIGHTLLM_METRICS_BACKGROUND=0) ;;

@@ -159,3 +159,17 @@ def test_stall_setting(monkeypatch):
     monkeypatch.setenv(piece_ledger.STALL_ENV, "0")
     with pytest.raises(ValueError, match="INFLIGHTLLM_PIECE_STALL_MS"):
         piece_ledger.stall_setting()
+
+
+def test_each_postprocessing_instance_counts_in_a_slot_of_its_own(ledger):
+    from inflightllm.piece_ledger import DONE_SLOTS, done_slot
+
+    assert [done_slot(n) for n in ("postprocessing_0_0", "postprocessing_0_3", "postprocessing", "")] == [0, 3, 0, 0]
+    assert done_slot(f"postprocessing_0_{DONE_SLOTS + 2}") == 2
+    with pytest.raises(ValueError, match="done slot"):
+        PieceCounter(DONE_SLOTS)
+    ledger.count_sent(7)
+    first, second = PieceCounter(0), PieceCounter(3)
+    first.count_done(ledger.id, 2)
+    second.count_done(ledger.id, 4)  # another process: its own counter, no increment lost
+    assert ledger.answered == 6 and ledger.in_flight == 1

@@ -283,12 +283,8 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
             [("engine.gpu_memory_utilization", 0.0)],
             "engine.gpu_memory_utilization: 0.0 is out of range; allowed: greater than 0 and less than 1",
         ),
-        (
-            [("instances.postprocessing", 2)],
-            "instances.postprocessing: 2 is not allowed; postprocessing runs exactly one instance: it relays "
-            "client cancellations to the engine and keeps each stream's pieces in order (docs/INTERFACE.md); "
-            "allowed: 1",
-        ),
+        ([("instances.postprocessing", 17)], "instances.postprocessing: 17 is out of range; allowed: 1 .. 16"),
+        ([("instances.postprocessing", 0)], "instances.postprocessing: 0 is out of range; allowed: 1 .. 16"),
         ([("model.seed", -1)], "model.seed: -1 is out of range; allowed: >= 0"),
         ([("model.max_model_len", 0)], "model.max_model_len: 0 is out of range; allowed: >= 1"),
         (

@@ -1,8 +1,9 @@
 """`preprocessing` and `postprocessing` in a real tritonserver, over gRPC.
 
 Both run in the shared `model_repo_server` (the committed `model_repo/`), called directly
-with non-streaming `infer` (they are not decoupled). Input types and output names come
-from the server's model metadata, i.e. from the rendered configs (docs/INTERFACE.md).
+with non-streaming `infer` (they are not decoupled: postprocessing has one instance there).
+Input types and output names come from the server's model metadata, i.e. from the rendered
+configs (docs/INTERFACE.md).
 """
 
 from __future__ import annotations

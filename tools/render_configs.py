@@ -341,6 +341,7 @@ def template_context(profile: Profile, tokenizer_env: str | None = None) -> dict
         "preferred_batch_size": list(profile.preferred_batch_size),
         "max_queue_delay_microseconds": profile.max_queue_delay_microseconds,
         "instances_preprocessing": profile.instances_preprocessing,
+        "instances_postprocessing": profile.instances_postprocessing,
         "preprocessing_parameters": _sorted_parameters(preprocessing_params),
         "engine_parameters": _sorted_parameters(engine_params),
         "engine_instances": engine_instances(profile),

@@ -201,7 +201,7 @@ def _float32_scalar(value: float) -> torch.Tensor:
 
 
 def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 0,
-                   ledger_id: int = 0) -> dict[str, torch.Tensor]:
+                   ledger_id: int = 0, ticket: int = -1) -> dict[str, torch.Tensor]:
     """The engine model's response tensors for one output (leading batch dim 1): the
     documented ones, or `request_handle` and the two packed ones when the request asked
     for those (`request.packed_outputs`, the ensemble's case). A beam search output gets
@@ -209,9 +209,10 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
 
     `handle` identifies the request to the engine (postprocessing sends it back in a
     `cancel_request` control request when the client cancels); `ledger_id` names, in a
-    packed response, where postprocessing counts it answered (inflightllm/piece_ledger.py)."""
+    packed response, where postprocessing counts it answered, and `ticket` the piece's slot
+    there, which postprocessing marks once it has sent the piece on (inflightllm/piece_ledger.py)."""
     if output.beam_token_ids is not None:
-        return _beam_tensors(output, request, handle, ledger_id)
+        return _beam_tensors(output, request, handle, ledger_id, ticket)
     token_ids = output.new_token_ids
     context = output.context_ids
     if request.echo_prompt and (output.finished if output.sequence_finished is None else output.sequence_finished):
@@ -229,7 +230,7 @@ def output_tensors(output: RequestOutput, request: EngineRequest, handle: int = 
             output_ids=token_ids, context_ids=context, cum_log_probs=output.cum_logprob,
             output_log_probs=output.new_logprobs, top_logprob_ids=output.new_top_ids,
             top_logprobs=output.new_top_logprobs, top_k=top_k, num_top_rows=num_new,
-            sender=ledger_id, sequence_index=output.sequence_index,
+            sender=ledger_id, sequence_index=output.sequence_index, ticket=ticket,
         )
         return {
             "request_handle": cached_handle[1],
@@ -262,7 +263,7 @@ def _handle_tensor(request: EngineRequest, handle: int) -> tuple[int, torch.Tens
 
 
 def _beam_tensors(output: RequestOutput, request: EngineRequest, handle: int,
-                  ledger_id: int) -> dict[str, torch.Tensor]:
+                  ledger_id: int, ticket: int = -1) -> dict[str, torch.Tensor]:
     """A beam search response: every beam at once, best first, with TensorRT-LLM's beam
     dimension (`output_ids` [1, beams, longest] padded with the end id, `sequence_length`,
     `cum_log_probs` [1, beams], `output_log_probs` [1, beams, longest] when asked); each
@@ -282,7 +283,7 @@ def _beam_tensors(output: RequestOutput, request: EngineRequest, handle: int,
     if request.packed_outputs:
         ints, floats = packed_outputs.pack_beams(
             **counts, beam_token_ids=beams, beam_cum_logprobs=cums, beam_logprobs=logprobs,
-            pad_id=output.beam_pad_id, sender=ledger_id)
+            pad_id=output.beam_pad_id, sender=ledger_id, ticket=ticket)
         return {
             "request_handle": cached_handle[1],
             packed_outputs.PACKED_I32: torch.from_numpy(ints),

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from inflightllm.engine import Engine, EngineStats, RequestOutput, coalesce_outputs
@@ -310,6 +311,11 @@ class EngineLoop:
 
 
 SENDER_HOLD_ENV = "INFLIGHTLLM_SENDER_HOLD"  # 0: no holding near the end (ResponseSender)
+# A stream's piece whose ticket postprocessing has not marked in this long is written off: the
+# stream's next piece goes without waiting for it (its ticket is never reused).
+TICKET_WRITE_OFF_S = 10.0
+# While pieces wait for an earlier piece's answer, the sender looks for answers this often.
+ANSWER_POLL_S = 0.001
 SENDER_YIELD_ENV = "INFLIGHTLLM_SENDER_YIELD_US"
 # Off by default. 200 raised stream=true through Triton on the H200 by about 4 % (0.84-0.89x
 # to 0.88-0.95x of engine-only), but with any pause Triton 2.51 intermittently kept the
@@ -358,6 +364,13 @@ class ResponseSender:
     backlog, or the sender stopping sends what is kept. INFLIGHTLLM_SENDER_HOLD=0 turns it
     off (measurements).
 
+    One piece of a stream in flight: a packed piece (the ensemble's) goes out with a ticket in
+    the ledger, which postprocessing marks once it has sent the piece on; the stream's next
+    piece waits (its outputs coalesce) until then, and a request's final piece until every
+    piece of the request is marked. So several postprocessing instances, each taking pieces
+    as they come, still deliver a stream's pieces in order (`instances.postprocessing`,
+    docs/INTERFACE.md). A ticket unmarked for TICKET_WRITE_OFF_S is written off.
+
     With `yield_s` the sender sleeps that long after each response but a round's last,
     which releases the GIL: a loop thread waiting for it takes it then, instead of after
     Python's switch interval (5 ms).
@@ -389,6 +402,16 @@ class ResponseSender:
         self._last_put: float | None = None
         self._step_s = 0.0  # the time between two steps' outputs, smoothed
         self.rounds_held = 0  # requests kept by a round, summed over rounds
+        # One piece of a stream in flight (above): ticket -> (request id, key, sent at); a
+        # key's ticket still unmarked; a request's tickets still unmarked; keys held for them.
+        self._tickets: dict[int, tuple[str, object, float]] = {}
+        self._key_ticket: dict = {}
+        self._request_tickets: dict[str, int] = {}
+        self._ordered: set = set()
+        self._answered_seen = -1
+        self._last_write_off = 0.0
+        self.pieces_waited = 0  # rounds a stream's outputs waited for its previous piece's answer, summed
+        self.tickets_written_off = 0
         # INFLIGHTLLM_STEP_TRACE: one line a round (inflightllm/step_trace.py's SenderTrace)
         self._trace = SenderTrace.from_env()
 
@@ -433,7 +456,13 @@ class ResponseSender:
             while True:
                 with self._condition:
                     while not self._queue and not self._stopping:
-                        self._condition.wait()
+                        if not self._ordered:
+                            self._condition.wait()
+                            continue
+                        # Pieces wait for an earlier piece's answer: a round once one comes.
+                        self._condition.wait(ANSWER_POLL_S)
+                        if self._queue or self._stopping or self._answers_moved():
+                            break
                     if not self._queue and self._stopping and not self._held:
                         return
                 trace = self._trace
@@ -467,6 +496,54 @@ class ResponseSender:
             if self._trace is not None:
                 self._trace.close()
 
+    def _answers_moved(self) -> bool:
+        """Whether postprocessing answered anything since the last round looked (or a
+        waiting piece's ticket is due to be written off)."""
+        answered = self.ledger.answered if self.ledger is not None else 0
+        return (answered != self._answered_seen
+                or time.monotonic() - self._last_write_off >= TICKET_WRITE_OFF_S / 10)
+
+    def _collect_answers(self, now: float) -> None:
+        """Release the tickets postprocessing has marked; write off those unmarked for
+        TICKET_WRITE_OFF_S (looked at every tenth of that)."""
+        ledger = self.ledger
+        self._answered_seen = ledger.answered
+        if not self._tickets:
+            return
+        ids = np.fromiter(self._tickets, dtype=np.int64, count=len(self._tickets))
+        done = ids[ledger.answered_tickets(ids)].tolist()
+        for ticket in done:
+            self._forget_ticket(ticket)
+            ledger.release_ticket(ticket)
+        if now - self._last_write_off >= TICKET_WRITE_OFF_S / 10:
+            self._last_write_off = now
+            stale = [ticket for ticket, (_, _, sent) in self._tickets.items() if now - sent >= TICKET_WRITE_OFF_S]
+            for ticket in stale:  # never released: a late mark must not answer another piece
+                self._forget_ticket(ticket)
+            if stale:
+                self.tickets_written_off += len(stale)
+                logger.warning("%d piece(s) unanswered by postprocessing for %.0f s: their streams go on without them",
+                               len(stale), TICKET_WRITE_OFF_S)
+
+    def _forget_ticket(self, ticket: int) -> None:
+        request_id, key, _ = self._tickets.pop(ticket)
+        if self._key_ticket.get(key) == ticket:
+            del self._key_ticket[key]
+        left = self._request_tickets.get(request_id, 0) - 1
+        if left > 0:
+            self._request_tickets[request_id] = left
+        else:
+            self._request_tickets.pop(request_id, None)
+
+    def _waits_for_answer(self, key, entry, erred: set[int]) -> bool:
+        """Whether this stream's outputs wait for an earlier piece's answer (the class docstring)."""
+        outputs, request, sink = entry
+        if not request.packed_outputs or self.ledger is None or self._stopping or id(sink) in erred:
+            return False
+        if key in self._key_ticket:
+            return True
+        return outputs[-1].finished and self._request_tickets.get(outputs[-1].request_id, 0) > 0
+
     def _holds(self, entry, horizon_s: float, erred: set[int]) -> bool:
         """Whether this request's outputs wait for its final one (the class docstring)."""
         outputs, request, sink = entry
@@ -484,7 +561,10 @@ class ResponseSender:
         merged: dict = self._held
         deadlines = self._held_until
         self._held, self._held_until = {}, {}
+        self._ordered = set()
         now = time.monotonic() if now is None else now
+        if self.ledger is not None:
+            self._collect_answers(now)
         order: list = [("request", key) for key in merged]
         finals = False
         erred: set[int] = set()  # id() of sinks with an error in this round: nothing of theirs is held
@@ -523,16 +603,32 @@ class ResponseSender:
             if item[0] == "error":
                 EngineLoop._safe_error(item[1], item[2])
                 continue
-            outputs, request, sink = merged[item[1]]
+            key = item[1]
+            entry = merged[key]
+            if self._waits_for_answer(key, entry, erred):
+                self._held[key] = entry  # merged with the stream's next outputs
+                self._ordered.add(key)
+                self.pieces_waited += 1
+                continue
+            outputs, request, sink = entry
             output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
             self.outputs_coalesced += len(outputs) - 1
+            ticket = -1
+            if request.packed_outputs and self.ledger is not None:
+                ticket = self.ledger.take_ticket()  # -1 when none is free: sent without
             try:
-                tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id)
+                tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id, ticket)
                 sink.send(tensors, final=output.finished)
                 self.responses_sent += 1
                 if request.packed_outputs and self.ledger is not None:
                     self.ledger.count_sent()
+                    if ticket >= 0:
+                        self._tickets[ticket] = (output.request_id, key, now)
+                        self._key_ticket[key] = ticket
+                        self._request_tickets[output.request_id] = self._request_tickets.get(output.request_id, 0) + 1
             except Exception:
+                if ticket >= 0 and ticket not in self._tickets:  # not sent: nobody will mark it
+                    self.ledger.release_ticket(ticket)
                 logger.exception("sending a response failed; cancelling request %s", output.request_id)
                 if not output.finished:
                     self._failed.append(output.request_id)

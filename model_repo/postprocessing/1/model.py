@@ -10,6 +10,11 @@ marks the *next* step's requests cancelled, i.e. the pieces arriving here; the e
 never sees it. A cancelled piece makes this model send the engine a control request
 (`cancel_request` = the piece's `request_handle`), and the engine aborts that request
 within one step and frees its KV blocks.
+
+With more than one instance (`instances.postprocessing`) the model is decoupled: it sends
+each piece's response itself and only then marks the piece's ticket in its engine's
+ledger; the engine sends a stream's next piece after that mark, so a stream's pieces
+leave in order whichever instances decode them (inflightllm/piece_ledger.py).
 """
 
 import json
@@ -19,8 +24,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflightllm.model_source import ModelSpec, load_tokenizer
-from inflightllm.packed_outputs import PACKED_I32, sender
-from inflightllm.piece_ledger import PieceCounter
+from inflightllm.packed_outputs import PACKED_I32, sender, ticket
+from inflightllm.piece_ledger import PieceCounter, done_slot
 from inflightllm.text.postprocess import build_text_responses
 
 
@@ -32,7 +37,8 @@ class TritonPythonModel:
         self.input_names = [tensor["name"] for tensor in config["input"]]
         self.engine_model = params.get("engine_model", "engine")
         self.relayed: OrderedDict[int, None] = OrderedDict()  # handles already relayed (bounded)
-        self.pieces = PieceCounter()
+        self.pieces = PieceCounter(done_slot(args.get("model_instance_name", "")))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
 
     def relay_cancellation(self, request):
         handle = int(pb_utils.get_input_tensor_by_name(request, "request_handle").as_numpy().reshape(-1)[0])
@@ -66,24 +72,34 @@ class TritonPythonModel:
                 batch.append(inputs)
             except Exception as error:  # fails this request only
                 batch.append(error)
-        # Count the answered pieces in their engine's ledger (backpressure: inflightllm/piece_ledger.py).
-        for inputs in batch:
-            if isinstance(inputs, dict) and inputs.get(PACKED_I32) is not None:
-                self.pieces.count_done(sender(inputs))
-        responses = []
-        for outputs in build_text_responses(batch, self.tokenizer):
-            if isinstance(outputs, Exception):  # bad ids or a bug: fail this request only
-                error = outputs
-                pb_utils.Logger.log_error(f"postprocessing: {type(error).__name__}: {error}")
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"postprocessing failed: {type(error).__name__}: {error}")
-                    )
-                )
-                continue
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]
-                )
+        responses = [self.response(outputs) for outputs in build_text_responses(batch, self.tokenizer)]
+        if not self.decoupled:  # one instance: the pieces leave in the order they came
+            for inputs in batch:
+                self.count_answered(inputs)
+            return responses
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request, inputs, response in zip(requests, batch, responses):
+            try:
+                request.get_response_sender().send(response, flags=final)
+            except Exception as error:  # e.g. the client went away: count it answered all the same
+                pb_utils.Logger.log_error(f"postprocessing: sending a piece failed: {error}")
+            self.count_answered(inputs)  # after the send: the stream's next piece may follow it now
+        return None
+
+    def count_answered(self, inputs):
+        """Count a piece answered in its engine's ledger and mark its ticket (backpressure and
+        order: inflightllm/piece_ledger.py)."""
+        if isinstance(inputs, dict) and inputs.get(PACKED_I32) is not None:
+            self.pieces.count_done(sender(inputs), 1, ticket(inputs))
+
+    @staticmethod
+    def response(outputs):
+        if isinstance(outputs, Exception):  # bad ids or a bug: fail this request only
+            error = outputs
+            pb_utils.Logger.log_error(f"postprocessing: {type(error).__name__}: {error}")
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"postprocessing failed: {type(error).__name__}: {error}")
             )
-        return responses
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]
+        )
