@@ -15,7 +15,7 @@ import pytest
 from inflightllm import packed_outputs
 from inflightllm.piece_ledger import SHM_DIR, TICKETS, PieceCounter, PieceLedger
 from inflightllm.serving import engine_loop
-from inflightllm.serving.engine_loop import SENDER_HOLD_ENV, ResponseSender
+from inflightllm.serving.engine_loop import SENDER_HOLD_ENV, EngineLoop, ResponseSender
 from tests.test_engine_loop import engine_request
 from tests.test_sender_hold import output
 
@@ -72,11 +72,11 @@ def test_a_stream_s_next_piece_waits_for_the_previous_piece_s_answer(sender, led
     assert [piece[:2] for piece in sink.pieces] == [([101], False)] and 0 <= sink.pieces[0][2] < TICKETS
     for step in (2, 3):  # unanswered: the outputs wait and merge
         sender._send_all([("outputs", [(output(0, 100 + step, step), request, sink)])])
-    assert len(sink.pieces) == 1 and sender.pieces_waited == 2 and sender._ordered
+    assert len(sink.pieces) == 1 and sender.pieces_waited == 1 and sender._waiting
     answer(ledger, sink)
     sender._send_all([])
     assert [piece[:2] for piece in sink.pieces] == [([101], False), ([102, 103], False)]
-    assert sender._ordered == set()
+    assert sender._waiting == {}
     assert list(sender._tickets) == [sink.pieces[1][2]]  # the first released (and free to take again)
 
 
@@ -175,3 +175,14 @@ def test_tickets_run_out_then_pieces_go_without(ledger):
     assert ledger.answered_tickets(marks).tolist() == [False, True, False]
     ledger.release_ticket(taken[1])
     assert ledger.take_ticket() == taken[1] and not ledger.answered_tickets(np.array([taken[1]])).any()
+
+
+def test_an_error_sends_what_waits_before_it(sender, ledger):
+    sink, other_sink = PackedSink(), PackedSink()
+    request, other = packed_request(8), packed_request(8)
+    sender._send_all([("outputs", [(output(0, 101, 1), request, sink), (output(1, 201, 1), other, other_sink)])])
+    sender._send_all([("outputs", [(output(0, 102, 2), request, sink), (output(1, 202, 2), other, other_sink)])])
+    assert len(sender._waiting) == 2
+    sender._send_all([("error", sink, "step failed")])
+    assert [piece[0] for piece in sink.pieces] == [[101], [102]] and sink.errors == ["step failed"]
+    assert list(sender._waiting) == [EngineLoop.request_id(1)]  # the other stream still waits

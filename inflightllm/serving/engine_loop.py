@@ -407,10 +407,13 @@ class ResponseSender:
         self._tickets: dict[int, tuple[str, object, float]] = {}
         self._key_ticket: dict = {}
         self._request_tickets: dict[str, int] = {}
-        self._ordered: set = set()
+        # Outputs waiting for an answer: key -> [outputs, request, sink] (their new outputs join
+        # them), and a request's waiting keys; a round looks only at those an answer released.
+        self._waiting: dict = {}
+        self._waiting_keys: dict[str, set] = {}
         self._answered_seen = -1
         self._last_write_off = 0.0
-        self.pieces_waited = 0  # rounds a stream's outputs waited for its previous piece's answer, summed
+        self.pieces_waited = 0  # times a stream's outputs began to wait for its previous piece's answer
         self.tickets_written_off = 0
         # INFLIGHTLLM_STEP_TRACE: one line a round (inflightllm/step_trace.py's SenderTrace)
         self._trace = SenderTrace.from_env()
@@ -441,7 +444,7 @@ class ResponseSender:
 
     @property
     def num_pending(self) -> int:
-        return len(self._queue) + self._busy + len(self._held)
+        return len(self._queue) + self._busy + len(self._held) + len(self._waiting)
 
     def stop(self, timeout_s: float) -> None:
         """Send everything queued, then end the thread."""
@@ -456,14 +459,14 @@ class ResponseSender:
             while True:
                 with self._condition:
                     while not self._queue and not self._stopping:
-                        if not self._ordered:
+                        if not self._waiting:
                             self._condition.wait()
                             continue
                         # Pieces wait for an earlier piece's answer: a round once one comes.
                         self._condition.wait(ANSWER_POLL_S)
                         if self._queue or self._stopping or self._answers_moved():
                             break
-                    if not self._queue and self._stopping and not self._held:
+                    if not self._queue and self._stopping and not self._held and not self._waiting:
                         return
                 trace = self._trace
                 if trace is not None:
@@ -503,29 +506,31 @@ class ResponseSender:
         return (answered != self._answered_seen
                 or time.monotonic() - self._last_write_off >= TICKET_WRITE_OFF_S / 10)
 
-    def _collect_answers(self, now: float) -> None:
+    def _collect_answers(self, now: float) -> set[str]:
         """Release the tickets postprocessing has marked; write off those unmarked for
-        TICKET_WRITE_OFF_S (looked at every tenth of that)."""
+        TICKET_WRITE_OFF_S (looked at every tenth of that). Returns the requests that had a
+        ticket answered or written off: their waiting outputs may go now."""
         ledger = self.ledger
         self._answered_seen = ledger.answered
+        requests: set[str] = set()
         if not self._tickets:
-            return
+            return requests
         ids = np.fromiter(self._tickets, dtype=np.int64, count=len(self._tickets))
-        done = ids[ledger.answered_tickets(ids)].tolist()
-        for ticket in done:
-            self._forget_ticket(ticket)
+        for ticket in ids[ledger.answered_tickets(ids)].tolist():
+            requests.add(self._forget_ticket(ticket))
             ledger.release_ticket(ticket)
         if now - self._last_write_off >= TICKET_WRITE_OFF_S / 10:
             self._last_write_off = now
             stale = [ticket for ticket, (_, _, sent) in self._tickets.items() if now - sent >= TICKET_WRITE_OFF_S]
             for ticket in stale:  # never released: a late mark must not answer another piece
-                self._forget_ticket(ticket)
+                requests.add(self._forget_ticket(ticket))
             if stale:
                 self.tickets_written_off += len(stale)
                 logger.warning("%d piece(s) unanswered by postprocessing for %.0f s: their streams go on without them",
                                len(stale), TICKET_WRITE_OFF_S)
+        return requests
 
-    def _forget_ticket(self, ticket: int) -> None:
+    def _forget_ticket(self, ticket: int) -> str:
         request_id, key, _ = self._tickets.pop(ticket)
         if self._key_ticket.get(key) == ticket:
             del self._key_ticket[key]
@@ -534,6 +539,20 @@ class ResponseSender:
             self._request_tickets[request_id] = left
         else:
             self._request_tickets.pop(request_id, None)
+        return request_id
+
+    def _release_waiting(self, request_ids) -> list:
+        """Take these requests' waiting keys out of waiting (they are looked at again)."""
+        keys = []
+        for request_id in request_ids:
+            for key in self._waiting_keys.pop(request_id, ()):
+                keys.append((key, self._waiting.pop(key)))
+        return keys
+
+    def _wait(self, key, entry) -> None:
+        self._waiting[key] = entry
+        self._waiting_keys.setdefault(entry[0][-1].request_id, set()).add(key)
+        self.pieces_waited += 1
 
     def _waits_for_answer(self, key, entry, erred: set[int]) -> bool:
         """Whether this stream's outputs wait for an earlier piece's answer (the class docstring)."""
@@ -561,20 +580,31 @@ class ResponseSender:
         merged: dict = self._held
         deadlines = self._held_until
         self._held, self._held_until = {}, {}
-        self._ordered = set()
         now = time.monotonic() if now is None else now
-        if self.ledger is not None:
-            self._collect_answers(now)
+        if self._waiting or self._tickets:  # outputs an answer (or the sender stopping) lets go
+            answered = self._collect_answers(now) if self.ledger is not None else set()
+            released = self._release_waiting(list(self._waiting_keys) if self._stopping else answered)
+            for key, entry in released:
+                merged[key] = entry
         order: list = [("request", key) for key in merged]
         finals = False
         erred: set[int] = set()  # id() of sinks with an error in this round: nothing of theirs is held
         for item in items:
             if item[0] == "error":
+                sink_id = id(item[1])
+                waiting = {entry[0][-1].request_id for entry in self._waiting.values() if id(entry[2]) == sink_id}
+                for key, entry in self._release_waiting(waiting):  # what waited goes before the error
+                    merged[key] = entry
+                    order.append(("request", key))
                 order.append(item)
-                erred.add(id(item[1]))
+                erred.add(sink_id)
                 continue
             for output, request, sink in item[1]:
                 key = output.request_id if not output.sequence_index else (output.request_id, output.sequence_index)
+                waiting = self._waiting.get(key)
+                if waiting is not None:  # it waits on: its outputs join what waits
+                    waiting[0].append(output)
+                    continue
                 entry = merged.get(key)
                 if entry is None:
                     entry = [[output], request, sink]
@@ -606,9 +636,7 @@ class ResponseSender:
             key = item[1]
             entry = merged[key]
             if self._waits_for_answer(key, entry, erred):
-                self._held[key] = entry  # merged with the stream's next outputs
-                self._ordered.add(key)
-                self.pieces_waited += 1
+                self._wait(key, entry)
                 continue
             outputs, request, sink = entry
             output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
