@@ -22,8 +22,8 @@ ledger whose `done` stops moving is re-based, so pieces that never reach postpro
 cannot be made, there is no ledger and no backpressure. The engine model removes its file
 when it is unloaded; an engine process killed outright leaves its 64 KiB behind.
 
-The file also holds TICKETS one-byte tickets, the order of a stream's pieces: each packed
-piece carries a free ticket (`packed_outputs` header `ticket`), which postprocessing marks
+The file also holds TICKETS one-byte tickets, the order of a stream's pieces where
+postprocessing runs several instances: each packed piece carries a free ticket (`packed_outputs` header `ticket`), which postprocessing marks
 once it has sent the piece on, and the engine's sender keeps a stream's next piece (its
 outputs coalesce meanwhile) until its previous piece is marked (ResponseSender). With
 several postprocessing instances, which take pieces as they come, a stream's pieces thus

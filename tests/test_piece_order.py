@@ -58,7 +58,7 @@ def ledger():
 @pytest.fixture
 def sender(monkeypatch, ledger):
     monkeypatch.setenv(SENDER_HOLD_ENV, "0")  # holding near the end is tested in test_sender_hold.py
-    return ResponseSender(loop=None, ledger=ledger, yield_s=0.0)
+    return ResponseSender(loop=None, ledger=ledger, yield_s=0.0, ordered=True)
 
 
 def answer(ledger, sink, index=-1):
@@ -186,3 +186,11 @@ def test_an_error_sends_what_waits_before_it(sender, ledger):
     sender._send_all([("error", sink, "step failed")])
     assert [piece[0] for piece in sink.pieces] == [[101], [102]] and sink.errors == ["step failed"]
     assert list(sender._waiting) == [EngineLoop.request_id(1)]  # the other stream still waits
+
+
+def test_with_one_postprocessing_instance_pieces_carry_no_ticket_and_never_wait(ledger):
+    sender = ResponseSender(loop=None, ledger=ledger, yield_s=0.0)  # ordered=False: one instance keeps order
+    sink, request = PackedSink(), packed_request(8)
+    for step in (1, 2, 3):
+        sender._send_all([("outputs", [(output(0, 100 + step, step), request, sink)])])
+    assert sink.pieces == [([101], False, -1), ([102], False, -1), ([103], False, -1)] and sender._tickets == {}

@@ -215,7 +215,9 @@ def test_parameters_round_trip(tmp_path, profile_path):
     engine_params = parameters(parse_config(tmp_path / "engine" / "config.pbtxt"))
     assert EngineConfig.from_parameters(engine_params) == profile.engine
     assert ModelSpec.from_parameters(engine_params) == profile.model
-    assert set(engine_params) == set(profile.engine.to_parameters()) | set(profile.model.to_parameters())
+    assert set(engine_params) == set(profile.engine.to_parameters()) | set(profile.model.to_parameters()) | {
+        "postprocessing_instances"}
+    assert engine_params["postprocessing_instances"] == str(profile.instances_postprocessing)
 
     pre_params = parameters(parse_config(tmp_path / "preprocessing" / "config.pbtxt"))
     assert ModelSpec.from_parameters(pre_params) == profile.model

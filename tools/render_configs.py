@@ -323,6 +323,8 @@ def template_context(profile: Profile, tokenizer_env: str | None = None) -> dict
     if overlap:  # the two parameter sets must stay disjoint to round-trip
         raise AssertionError(f"engine and model parameters share keys: {sorted(overlap)}")
     engine_params.update(model_params)
+    # Not an EngineConfig field: the engine model keeps a stream's pieces in order when >1 (ResponseSender).
+    engine_params["postprocessing_instances"] = str(profile.instances_postprocessing)
     return {
         "header": (
             f"# Rendered by tools/render_configs.py from {profile_display_path(profile)}"

@@ -68,7 +68,10 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, on_step: StepCallback | None = None, idle_wait_s: float = 0.5,
                  cancel_poll_interval_s: float | None = None, max_polls_per_step: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, piece_ledger: PieceLedger | None = None):
+                 clock: Callable[[], float] = time.monotonic, piece_ledger: PieceLedger | None = None,
+                 ordered_pieces: bool = False):
+        """`ordered_pieces`: postprocessing runs several instances, so keep one piece of a
+        stream in flight (ResponseSender; needs `piece_ledger`)."""
         self.engine = engine
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
@@ -89,7 +92,7 @@ class EngineLoop:
         self._poll_stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflightllm-engine-loop", daemon=True)
         self._poller = threading.Thread(target=self._poll, name="inflightllm-cancel-poller", daemon=True)
-        self._sender = ResponseSender(self, piece_ledger)
+        self._sender = ResponseSender(self, piece_ledger, ordered=ordered_pieces)
 
     def start(self) -> EngineLoop:
         self._sender.start()
@@ -364,8 +367,8 @@ class ResponseSender:
     backlog, or the sender stopping sends what is kept. INFLIGHTLLM_SENDER_HOLD=0 turns it
     off (measurements).
 
-    One piece of a stream in flight: a packed piece (the ensemble's) goes out with a ticket in
-    the ledger, which postprocessing marks once it has sent the piece on; the stream's next
+    One piece of a stream in flight (`ordered`: postprocessing runs several instances): a
+    packed piece (the ensemble's) goes out with a ticket in the ledger, which postprocessing marks once it has sent the piece on; the stream's next
     piece waits (its outputs coalesce) until then, and a request's final piece until every
     piece of the request is marked. So several postprocessing instances, each taking pieces
     as they come, still deliver a stream's pieces in order (`instances.postprocessing`,
@@ -376,7 +379,8 @@ class ResponseSender:
     Python's switch interval (5 ms).
     """
 
-    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None, yield_s: float | None = None):
+    def __init__(self, loop: EngineLoop, ledger: PieceLedger | None = None, yield_s: float | None = None,
+                 ordered: bool = False):
         self.loop = loop
         self.yield_s = sender_yield_s() if yield_s is None else yield_s
         if self.yield_s:
@@ -404,6 +408,7 @@ class ResponseSender:
         self.rounds_held = 0  # requests kept by a round, summed over rounds
         # One piece of a stream in flight (above): ticket -> (request id, key, sent at); a
         # key's ticket still unmarked; a request's tickets still unmarked; keys held for them.
+        self.ordered = ordered and ledger is not None
         self._tickets: dict[int, tuple[str, object, float]] = {}
         self._key_ticket: dict = {}
         self._request_tickets: dict[str, int] = {}
@@ -557,7 +562,7 @@ class ResponseSender:
     def _waits_for_answer(self, key, entry, erred: set[int]) -> bool:
         """Whether this stream's outputs wait for an earlier piece's answer (the class docstring)."""
         outputs, request, sink = entry
-        if not request.packed_outputs or self.ledger is None or self._stopping or id(sink) in erred:
+        if not (self.ordered and request.packed_outputs) or self._stopping or id(sink) in erred:
             return False
         if key in self._key_ticket:
             return True
@@ -642,7 +647,7 @@ class ResponseSender:
             output = outputs[0] if len(outputs) == 1 else coalesce_outputs(outputs)
             self.outputs_coalesced += len(outputs) - 1
             ticket = -1
-            if request.packed_outputs and self.ledger is not None:
+            if self.ordered and request.packed_outputs:
                 ticket = self.ledger.take_ticket()  # -1 when none is free: sent without
             try:
                 tensors = output_tensors(output, request, EngineLoop.handle(output.request_id), self.ledger_id, ticket)

@@ -78,7 +78,9 @@ class TritonPythonModel:
         # Backpressure from postprocessing (inflightllm/piece_ledger.py): None where /dev/shm is missing.
         self.ledger = PieceLedger.create()
         apply_switch_interval()  # INFLIGHTLLM_SWITCH_INTERVAL_US, for measurements
-        self.loop = EngineLoop(engine, on_step=self._on_step, piece_ledger=self.ledger).start()
+        # Several postprocessing instances: one piece of a stream in flight keeps its pieces in order.
+        ordered = int(params.get("postprocessing_instances", "1")) > 1
+        self.loop = EngineLoop(engine, on_step=self._on_step, piece_ledger=self.ledger, ordered_pieces=ordered).start()
         self.metrics.update(engine.stats(), [])
         stats = engine.stats()
         logger.info("engine ready: %d KV blocks of %d tokens", stats.num_blocks_total, engine.config.block_size)
