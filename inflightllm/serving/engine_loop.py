@@ -368,9 +368,9 @@ class ResponseSender:
     off (measurements).
 
     One piece of a stream in flight (`ordered`: postprocessing runs several instances): a
-    packed piece (the ensemble's) goes out with a ticket in the ledger, which postprocessing marks once it has sent the piece on; the stream's next
-    piece waits (its outputs coalesce) until then, and a request's final piece until every
-    piece of the request is marked. So several postprocessing instances, each taking pieces
+    packed piece (the ensemble's) goes out with a ticket in the ledger, which postprocessing
+    marks once it has sent the piece on; the stream's next piece waits (its outputs coalesce)
+    until then, and a request's final piece until every piece of the request is marked. So several postprocessing instances, each taking pieces
     as they come, still deliver a stream's pieces in order (`instances.postprocessing`,
     docs/INTERFACE.md). A ticket unmarked for TICKET_WRITE_OFF_S is written off.
 
@@ -407,7 +407,7 @@ class ResponseSender:
         self._step_s = 0.0  # the time between two steps' outputs, smoothed
         self.rounds_held = 0  # requests kept by a round, summed over rounds
         # One piece of a stream in flight (above): ticket -> (request id, key, sent at); a
-        # key's ticket still unmarked; a request's tickets still unmarked; keys held for them.
+        # key's ticket still unmarked; how many of a request's tickets are still unmarked.
         self.ordered = ordered and ledger is not None
         self._tickets: dict[int, tuple[str, object, float]] = {}
         self._key_ticket: dict = {}
