@@ -179,23 +179,24 @@ def _unpack_beams(header: dict[str, int], ints: np.ndarray, floats: np.ndarray) 
     }
 
 
+def _header_value(inputs: Mapping[str, np.ndarray | None], name: str, missing: int) -> int:
+    """One header value of a packed response (`missing` when it is not a well-formed one)."""
+    ints = inputs.get(PACKED_I32)
+    if ints is None:
+        return missing
+    ints = np.asarray(ints).reshape(-1)
+    return int(ints[HEADER.index(name)]) if len(ints) >= HEADER_LEN else missing
+
+
 def sender(inputs: Mapping[str, np.ndarray | None]) -> int:
     """The piece ledger id of the engine that sent this packed response (0: none, or not a
     well-formed packed response)."""
-    ints = inputs.get(PACKED_I32)
-    if ints is None:
-        return 0
-    ints = np.asarray(ints).reshape(-1)
-    return int(ints[HEADER.index("sender")]) if len(ints) >= HEADER_LEN else 0
+    return _header_value(inputs, "sender", 0)
 
 
 def ticket(inputs: Mapping[str, np.ndarray | None]) -> int:
     """The piece's ticket in its sender's ledger (-1: none, or not a well-formed packed response)."""
-    ints = inputs.get(PACKED_I32)
-    if ints is None:
-        return -1
-    ints = np.asarray(ints).reshape(-1)
-    return int(ints[HEADER.index("ticket")]) if len(ints) >= HEADER_LEN else -1
+    return _header_value(inputs, "ticket", -1)
 
 
 def unpack(inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:

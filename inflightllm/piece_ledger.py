@@ -23,9 +23,10 @@ cannot be made, there is no ledger and no backpressure. The engine model removes
 when it is unloaded; an engine process killed outright leaves its 64 KiB behind.
 
 The file also holds TICKETS one-byte tickets, the order of a stream's pieces where
-postprocessing runs several instances: each packed piece carries a free ticket (`packed_outputs` header `ticket`), which postprocessing marks
-once it has sent the piece on, and the engine's sender keeps a stream's next piece (its
-outputs coalesce meanwhile) until its previous piece is marked (ResponseSender). With
+postprocessing runs several instances: each packed piece carries a free ticket
+(`packed_outputs` header `ticket`), which postprocessing marks once it has sent the piece
+on, and the engine's sender keeps a stream's next piece (its outputs coalesce meanwhile)
+until its previous piece is marked (ResponseSender). With
 several postprocessing instances, which take pieces as they come, a stream's pieces thus
 still leave in order. A marked ticket is given back; one written off is never reused.
 
@@ -86,6 +87,13 @@ def ledger_path(ledger_id: int) -> Path:
     return SHM_DIR / f"{PREFIX}{int(ledger_id)}"
 
 
+def map_ledger(path: Path) -> tuple[np.memmap, np.memmap]:
+    """The ledger file's two parts: [sent, done of postprocessing instance 0, 1, ...] and
+    the tickets, one byte each (0 while the piece is on its way, 1 once sent on)."""
+    return (np.memmap(path, dtype=np.uint64, mode="r+", shape=(1 + DONE_SLOTS,)),
+            np.memmap(path, dtype=np.uint8, mode="r+", offset=TICKETS_OFFSET, shape=(TICKETS,)))
+
+
 class PieceLedger:
     """The engine's side: counts pieces sent, reads pieces done, waits for room."""
 
@@ -97,10 +105,7 @@ class PieceLedger:
         self.stall_s = stall_s
         with open(path, "xb") as file:  # a new file: never another engine's ledger
             file.write(bytes(LEDGER_BYTES))
-        # [sent, done of postprocessing instance 0, 1, ...]
-        self._counters = np.memmap(path, dtype=np.uint64, mode="r+", shape=(1 + DONE_SLOTS,))
-        # One byte a ticket: 0 while its piece is on its way, 1 once postprocessing has sent it on.
-        self._marks = np.memmap(path, dtype=np.uint8, mode="r+", offset=TICKETS_OFFSET, shape=(TICKETS,))
+        self._counters, self._marks = map_ledger(path)
         self._free_tickets = list(range(TICKETS - 1, -1, -1))
         self._base = 0  # pieces written off as lost (see wait_for_room)
         self.waits = 0
@@ -228,8 +233,7 @@ class PieceCounter:
                 try:
                     path = ledger_path(ledger_id)
                     if path.stat().st_size == LEDGER_BYTES:
-                        opened = (np.memmap(path, dtype=np.uint64, mode="r+", shape=(1 + DONE_SLOTS,)),
-                                  np.memmap(path, dtype=np.uint8, mode="r+", offset=TICKETS_OFFSET, shape=(TICKETS,)))
+                        opened = map_ledger(path)
                 except (OSError, ValueError):
                     opened = None
             if len(self._open) >= self.MAX_LEDGERS:

@@ -130,6 +130,32 @@ def run_stream_requests(url: str, requests: list[dict], num_streams: int = 1, ti
     return results
 
 
+def cancel_after_pieces(url: str, request: dict, pieces: int = 3, before_cancel=None, timeout: float = 60.0) -> list:
+    """Stream `request` to the ensemble and cancel the stream (`stop_stream(cancel_requests=True)`)
+    once `pieces` responses arrived, after `before_cancel()` where given; returns the responses
+    received up to the cancellation."""
+    received = []
+    got_some = threading.Event()
+
+    def callback(result=None, error=None):
+        if result is not None:
+            received.append(result)
+            if len(received) >= pieces:
+                got_some.set()
+
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer("ensemble", make_inputs(request), request_id="cancel-me")
+        assert got_some.wait(timeout), "no tokens arrived"
+        if before_cancel is not None:
+            before_cancel()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    return received
+
+
 def run_one(url: str, request: dict, timeout: float = 120.0) -> StreamResult:
     return run_stream_requests(url, [request], timeout=timeout)[0]
 

@@ -5,13 +5,11 @@ sampling, and clear errors for bad requests while others are served."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from tests.ensemble_client import (
-    make_inputs,
+    cancel_after_pieces,
     metric,
     run_one,
     run_stream_requests,
@@ -140,14 +138,6 @@ def test_cancelled_stream_frees_its_blocks(model_repo_server):
     url = model_repo_server.grpc_url
     metrics_url = model_repo_server.metrics_url
     before = metric(scrape_metrics(metrics_url), "inflightllm_request_finished_total", finish_reason="cancelled")
-    pieces = []
-    got_some = threading.Event()
-
-    def callback(result=None, error=None):
-        if result is not None:
-            pieces.append(result)
-            if len(pieces) >= 3:
-                got_some.set()
 
     def ensemble_completions() -> int:
         import urllib.request
@@ -156,18 +146,14 @@ def test_cancelled_stream_frees_its_blocks(model_repo_server):
             stats = json.load(response)["model_stats"][0]["inference_stats"]
         return stats["success"]["count"] + stats["fail"]["count"]
 
+    def blocks_in_use():
+        assert metric(scrape_metrics(metrics_url), "inflightllm_kv_cache_blocks", state="used") > 0
+
     completions_before = ensemble_completions()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=callback)
     # min_tokens keeps the model from stopping early: the request runs until cancelled.
     request = {"messages": chat("Write a very long story about a dragon."), "max_tokens": 900, "min_tokens": 900,
                "stream": True}
-    client.async_stream_infer("ensemble", make_inputs(request), request_id="cancel-me")
-    assert got_some.wait(60), "no tokens arrived"
-    used = metric(scrape_metrics(metrics_url), "inflightllm_kv_cache_blocks", state="used")
-    assert used > 0
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    pieces = cancel_after_pieces(url, request, before_cancel=blocks_in_use)
 
     def freed():
         values = scrape_metrics(metrics_url)

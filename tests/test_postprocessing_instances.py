@@ -6,14 +6,17 @@ stream's pieces must arrive in order, and a cancellation must still reach the en
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-import tritonclient.grpc as grpcclient
 import yaml
 
 from inflightllm.profile import REPO_ROOT, load_profile
-from tests.ensemble_client import make_inputs, metric, run_stream_requests, scrape_metrics, wait_for
+from tests.ensemble_client import (
+    cancel_after_pieces,
+    metric,
+    run_stream_requests,
+    scrape_metrics,
+    wait_for,
+)
 from tools import render_configs
 
 pytestmark = pytest.mark.server
@@ -65,22 +68,8 @@ def test_each_stream_s_pieces_arrive_in_order(server):
 
 def test_a_cancelled_stream_still_reaches_the_engine(server):
     before = metric(scrape_metrics(server.metrics_url), "inflightllm_request_finished_total", finish_reason="cancelled")
-    pieces = []
-    got_some = threading.Event()
-
-    def callback(result=None, error=None):
-        if result is not None:
-            pieces.append(result)
-            if len(pieces) >= 3:
-                got_some.set()
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=callback)
     request = {"text_input": "A long one.", "max_tokens": 1000, "min_tokens": 1000, "stream": True}
-    client.async_stream_infer("ensemble", make_inputs(request), request_id="cancel-me")
-    assert got_some.wait(60), "no tokens arrived"
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    cancel_after_pieces(server.grpc_url, request)
 
     def freed():
         values = scrape_metrics(server.metrics_url)
