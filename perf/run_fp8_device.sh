@@ -4,7 +4,8 @@
 #
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
-# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,rows) change what runs.
+# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,rows) change
+# what runs; V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 TESTS="${TESTS:-tests/gpu/test_fp8_gpu.py}"
@@ -26,9 +27,19 @@ case ",$SKIP," in *,decode,*) ;; *)
   step decode_fp8 200 "$PY" perf/bench_gpu.py --sections decode --batches 1,32,256 --no-transformers \
     --quantization fp8 --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 --out "$OUT/decode_fp8.json" ;;
 esac
+case ",$SKIP," in *,decode,*|*,lmhead,*) ;; *)
+  # The same batch-1 step with the LM head in FP8 too (model.fp8_lm_head), beside the one above.
+  step decode_fp8_lm_head 200 "$PY" perf/bench_gpu.py --sections decode --batches 1 --no-transformers \
+    --quantization fp8 --fp8-lm-head --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 \
+    --out "$OUT/decode_fp8_lm_head.json" ;;
+esac
 case ",$SKIP," in *,rows,*) ;; *)
   step bench_rows 420 "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \
     --rows "$ROWS" --out "$OUT/bench_rows.json" ;;
 esac
+for stages in ${V6_STAGES:-}; do
+  step "decode_attention_v6_stages_$stages" 90 env INFLIGHTLLM_DECODE_V6_STAGES="$stages" "$PY" -m perf.bench_decode_attention \
+    --cases "${ATTN_CASES:-1024x192,512x1152,256x2048,256x3072}" --cache fp8 --label "v6-stages-$stages"
+done
 cat "$SUMMARY"
 exit $STATUS
