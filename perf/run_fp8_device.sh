@@ -5,7 +5,9 @@
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
 # TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,rows) change
-# what runs; V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention).
+# what runs; V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention),
+# GEMV_VARIANTS="- INFLIGHTLLM_FP8_GEMV_U=16 ..." the one-token kernels per variant (perf.bench_small_gemv;
+# "-": the defaults; several variables of a variant joined by commas).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_device_lib.sh"
 TESTS="${TESTS:-tests/gpu/test_fp8_gpu.py}"
@@ -40,6 +42,11 @@ esac
 for stages in ${V6_STAGES:-}; do
   step "decode_attention_v6_stages_$stages" 90 env INFLIGHTLLM_DECODE_V6_STAGES="$stages" "$PY" -m perf.bench_decode_attention \
     --cases "${ATTN_CASES:-1024x192,512x1152,256x2048,256x3072}" --cache fp8 --label "v6-stages-$stages"
+done
+for variant in ${GEMV_VARIANTS:-}; do
+  settings=(); [ "$variant" != "-" ] && IFS=, read -r -a settings <<< "$variant"
+  step "small_gemv_${variant//[^A-Za-z0-9_=]/_}" 90 env "${settings[@]}" "$PY" perf/bench_small_gemv.py --weights fp8 \
+    --label "$variant"
 done
 cat "$SUMMARY"
 exit $STATUS
