@@ -370,9 +370,10 @@ class ResponseSender:
     One piece of a stream in flight (`ordered`: postprocessing runs several instances): a
     packed piece (the ensemble's) goes out with a ticket in the ledger, which postprocessing
     marks once it has sent the piece on; the stream's next piece waits (its outputs coalesce)
-    until then, and a request's final piece until every piece of the request is marked. So several postprocessing instances, each taking pieces
-    as they come, still deliver a stream's pieces in order (`instances.postprocessing`,
-    docs/INTERFACE.md). A ticket unmarked for TICKET_WRITE_OFF_S is written off.
+    until then, and a request's final piece until every piece of the request is marked. So
+    several postprocessing instances, each taking pieces as they come, still deliver a
+    stream's pieces in order (`instances.postprocessing`, docs/INTERFACE.md). A ticket
+    unmarked for TICKET_WRITE_OFF_S is written off.
 
     With `yield_s` the sender sleeps that long after each response but a round's last,
     which releases the GIL: a loop thread waiting for it takes it then, instead of after
