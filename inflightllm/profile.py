@@ -55,7 +55,7 @@ TOKENIZER_MAX_BATCH_SIZE = 64
 TOP_LEVEL_KEYS = ("name", "description", "model", "device", "instances", "engine", "dynamic_batching")
 MODEL_KEYS = (
     "source", "package", "file", "path", "shape", "seed", "tokenizer", "dtype", "max_model_len", "quantization",
-    "fp8_smoothing", "fp8_lm_head",
+    "fp8_smoothing", "fp8_lm_head", "int8_lm_head",
 )
 # Keys of `model:` that belong to one source only (source, dtype, max_model_len are common).
 SOURCE_KEYS = {
@@ -344,6 +344,11 @@ def _read_model(reader: _Reader, data: dict) -> ModelSpec:
             reader.fail("model.fp8_lm_head", "only with FP8 weights: model.quantization: fp8, or an hf_folder "
                                              "holding an FP8 checkpoint")
         values["fp8_lm_head"] = True
+    if "int8_lm_head" in section and reader.boolean(section["int8_lm_head"], "model.int8_lm_head"):
+        if values.get("fp8_lm_head"):
+            reader.fail("model.int8_lm_head", "not with model.fp8_lm_head: the LM head gets one 8-bit copy, "
+                                              "e4m3 or int8; drop one")
+        values["int8_lm_head"] = True
     if "tokenizer" in values:
         folder = Path(values["tokenizer"]).expanduser()
         if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
@@ -559,6 +564,10 @@ def _check_against_model(reader: _Reader, model: ModelSpec, engine: EngineConfig
             "model.quantization",
             f"fp8 runs on one GPU for now; device.tensor_parallel_size is {tp} (set it to 1, or drop fp8)",
         )
+    if (model.fp8_lm_head or model.int8_lm_head) and tp > 1:
+        key = "model.fp8_lm_head" if model.fp8_lm_head else "model.int8_lm_head"
+        reader.fail(key, f"the 8-bit LM head runs on one rank for now; device.tensor_parallel_size is {tp} "
+                         f"(set it to 1, or drop {key})")
     if model.max_model_len is not None and model.max_model_len > dims.max_position_embeddings:
         reader.fail(
             "model.max_model_len",

@@ -292,13 +292,14 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=(None, "fp8"), help="model.quantization")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="engine.kv_cache_dtype")
     parser.add_argument("--fp8-lm-head", action="store_true", help="model.fp8_lm_head (with --quantization fp8)")
+    parser.add_argument("--int8-lm-head", action="store_true", help="model.int8_lm_head (any weights)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     spec = ModelSpec(source="random", shape=args.shape, seed=0, dtype=args.dtype, quantization=args.quantization,
-                     fp8_lm_head=True if args.fp8_lm_head else None)
+                     fp8_lm_head=True if args.fp8_lm_head else None, int8_lm_head=True if args.int8_lm_head else None)
     long_input = 32768 if "long" in sections else 4096
     config = EngineConfig(
         device="gpu", gpu_ids=(0,), max_num_tokens=args.max_num_tokens, max_input_length=long_input,
@@ -309,6 +310,7 @@ def main() -> None:
     engine = Engine(spec, config, sampler_seed=0)
     report: dict = {
         "shape": args.shape, "dtype": args.dtype, "quantization": args.quantization, "fp8_lm_head": args.fp8_lm_head,
+        "int8_lm_head": args.int8_lm_head,
         "kv_cache_dtype": args.kv_cache_dtype, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"), "engine_start_s": round(time.perf_counter() - start, 1),
         "kv_blocks": engine.runner.num_blocks, "kv_gib": round(engine.runner.kv_cache_bytes / 2**30, 2),

@@ -198,17 +198,19 @@ def main() -> None:
     lm_bytes = lm_head.numel() * lm_head.element_size()
     report["rows"].append({"case": "LM head (bf16)", "us_total": round(us, 1), "weight_gb_s": round(lm_bytes / us / 1e3, 1)})
     print(f"  {'LM head (bf16)':26s} {us:9.1f} µs, {lm_bytes / us / 1e3:7.0f} GB/s", flush=True)
-    # model.fp8_lm_head: the one-token steps' LM head, e4m3 rows read by small_gemv (weight-only)
-    from inflightllm.quantization.fp8 import quantize_per_channel
+    # model.fp8_lm_head / int8_lm_head: the one-token steps' LM head, e4m3 or int8 rows read by
+    # small_gemv (weight-only)
+    from inflightllm.quantization.fp8 import quantize_lm_head
 
-    head_q, head_scale = quantize_per_channel(lm_head)
-    head_scale = head_scale.view(1, -1).contiguous()
     logits = torch.empty(1, vocab, device="cuda", dtype=dtype)
-    us = graph_us(lambda: ops.small_gemv(logits, residual, head_q, None, weight_scale=head_scale))
-    fp8_bytes = head_q.numel()
-    report["rows"].append({"case": "LM head (fp8, small_gemv)", "us_total": round(us, 1),
-                           "weight_gb_s": round(fp8_bytes / us / 1e3, 1)})
-    print(f"  {'LM head (fp8, small_gemv)':26s} {us:9.1f} µs, {fp8_bytes / us / 1e3:7.0f} GB/s", flush=True)
+    for kind in ("e4m3", "int8"):
+        head_q, head_scale = quantize_lm_head(lm_head, kind)
+        head_scale = head_scale.view(1, -1).contiguous()
+        us = graph_us(lambda q=head_q, s=head_scale: ops.small_gemv(logits, residual, q, None, weight_scale=s))
+        name = f"LM head ({kind}, small_gemv)"
+        report["rows"].append({"case": name, "us_total": round(us, 1), "weight_gb_s": round(head_q.numel() / us / 1e3, 1)})
+        print(f"  {name:26s} {us:9.1f} µs, {head_q.numel() / us / 1e3:7.0f} GB/s", flush=True)
+        del head_q, head_scale
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

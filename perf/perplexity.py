@@ -9,8 +9,8 @@ Variants (one process, the same tokens, the same chunking):
 - each fp8 variant with `-lmh`: the LM head in FP8 too (`model.fp8_lm_head`), read weight-only
   by one-token steps; its logits are computed a row at a time so that every position takes
   that path (the others compute a chunk's logits at once, as prefill does).
-  `--lm-head-int8` (CPU emulation only) measures a candidate instead: the `-lmh` variants'
-  LM head rounded to int8 with per-row scales (amax / 127), the same bytes as e4m3.
+  `--lm-head-int8`: the `-lmh` variants' LM head in int8 instead (`model.int8_lm_head`: per-row
+  scales, amax / 127; the same bytes as e4m3).
 
 The text (perf/inputs/coriolanus.txt: the opening of Shakespeare's Coriolanus, public
 domain, ~2,400 SmolLM2 tokens) is fed through the engine's own runner and paged KV cache
@@ -28,24 +28,21 @@ Prints a table; `--out` saves the figures as JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 
-import inflightllm.models.loader as loader
 from inflightllm.config import EngineConfig
 from inflightllm.model_source import DEFAULT_MODEL, ModelSpec, load_tokenizer
 
 TEXT = Path(__file__).resolve().parent / "inputs" / "coriolanus.txt"
 # name -> (quantization, kv_cache_dtype, SmoothQuant alpha or None); a name ending in -lmh
-# adds model.fp8_lm_head, its logits computed a row at a time (as one-token steps read them).
+# adds model.fp8_lm_head (int8_lm_head with --lm-head-int8), its logits computed a row at a time (as one-token steps read them).
 VARIANTS = {"base": (None, "auto", None), "fp8": ("fp8", "auto", None), "fp8-kv": ("fp8", "fp8", None),
             "fp8-smooth": ("fp8", "auto", 0.5), "fp8-kv-smooth": ("fp8", "fp8", 0.5)}
 VARIANTS.update({f"{name}-lmh": value for name, value in VARIANTS.items() if name != "base"})
@@ -105,7 +102,7 @@ def evaluate(spec: ModelSpec, config: EngineConfig, token_ids: list[int], chunk:
     started = time.perf_counter()
     with torch.inference_mode():
         position = 0
-        for logits in stream(runner, token_ids, chunk, by_row=bool(spec.fp8_lm_head)):
+        for logits in stream(runner, token_ids, chunk, by_row=spec.lm_head_kind() is not None):
             count = logits.shape[0]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             targets = torch.tensor(token_ids[position + 1 : position + count + 1], device=logprobs.device)
@@ -130,10 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens (0: all)")
     parser.add_argument("--out", type=Path, default=None, help="save the figures as JSON here")
     parser.add_argument("--lm-head-int8", action="store_true",
-                        help="CPU only: the -lmh variants' LM head in int8 (per-row scales) instead of e4m3")
+                        help="the -lmh variants' LM head in int8 (model.int8_lm_head) instead of e4m3")
     args = parser.parse_args(argv)
-    if args.lm_head_int8 and args.device != "cpu":
-        parser.error("--lm-head-int8: CPU emulation only (the GPU kernels read an e4m3 LM head)")
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     text = TEXT.read_text()
@@ -146,26 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         max_input_length=len(token_ids) + 16, max_output_len=16, num_kv_blocks=-(-len(token_ids) // 16) + 8,
         cuda_graphs=False,
     )
-    # The -lmh variants' LM head quantizer (models.loader), swapped for this run only.
-    head = (mock.patch.object(loader, "quantize_per_channel", quantize_rows_int8) if args.lm_head_int8
-            else contextlib.nullcontext())
+    head_key = "int8_lm_head" if args.lm_head_int8 else "fp8_lm_head"
     results = {}
     base = None
-    with head:
-        for name in args.variants.split(","):
-            if name not in VARIANTS:
-                parser.error(f"--variants: {name!r} is not a variant; allowed: {', '.join(VARIANTS)}")
-            quantization, kv_cache_dtype, smoothing = VARIANTS[name]
-            spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization, fp8_smoothing=smoothing,
-                                       fp8_lm_head=True if name.endswith("-lmh") else None)
-            figures = evaluate(spec, dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype), token_ids, args.chunk)
-            ppl = math.exp(float(figures["nll"].mean()))
-            entry = {"perplexity": ppl, "tokens": int(figures["nll"].numel()), "seconds": figures["seconds"]}
-            if base is None:
-                base = (ppl, figures["argmax"])
-            entry["ratio_to_base"] = ppl / base[0]
-            entry["top1_agreement_with_base"] = float((figures["argmax"] == base[1]).double().mean())
-            results[name] = entry
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            parser.error(f"--variants: {name!r} is not a variant; allowed: {', '.join(VARIANTS)}")
+        quantization, kv_cache_dtype, smoothing = VARIANTS[name]
+        spec = dataclasses.replace(DEFAULT_MODEL, dtype=args.dtype, quantization=quantization, fp8_smoothing=smoothing,
+                                   **{head_key: True if name.endswith("-lmh") else None})
+        figures = evaluate(spec, dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype), token_ids, args.chunk)
+        ppl = math.exp(float(figures["nll"].mean()))
+        entry = {"perplexity": ppl, "tokens": int(figures["nll"].numel()), "seconds": figures["seconds"]}
+        if base is None:
+            base = (ppl, figures["argmax"])
+        entry["ratio_to_base"] = ppl / base[0]
+        entry["top1_agreement_with_base"] = float((figures["argmax"] == base[1]).double().mean())
+        results[name] = entry
     print(f"SmolLM2-135M, {len(token_ids)} tokens of {TEXT.name}, {args.device}, {args.dtype}, chunks of {args.chunk}")
     print(f"{'variant':<18} {'perplexity':>11} {'vs base':>8} {'top-1 agree':>12} {'seconds':>8}")
     for name, entry in results.items():
@@ -177,14 +169,6 @@ def main(argv: list[str] | None = None) -> int:
                                         "lm_head": "int8" if args.lm_head_int8 else "e4m3",
                                         "text": TEXT.name, "results": results}, indent=2) + "\n")
     return 0
-
-
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (int8 values held as float32 [N, K], float32 scales [N]), weight ~= q *
-    scale[:, None]: the candidate int8 LM head of `--lm-head-int8` (its emulation dequantizes
-    as the e4m3 one does: values times their row's scale)."""
-    scale = (weight.detach().abs().amax(dim=1).float() / 127.0).clamp(min=1e-12)
-    return (weight.float() / scale[:, None]).round().clamp(-127, 127), scale
 
 
 if __name__ == "__main__":

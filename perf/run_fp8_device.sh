@@ -30,10 +30,14 @@ case ",$SKIP," in *,decode,*) ;; *)
     --quantization fp8 --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 --out "$OUT/decode_fp8.json" ;;
 esac
 case ",$SKIP," in *,decode,*|*,lmhead,*) ;; *)
-  # The same batch-1 step with the LM head in FP8 too (model.fp8_lm_head), beside the one above.
+  # The same batch-1 step with the LM head in FP8 too (model.fp8_lm_head), beside the one above,
   step decode_fp8_lm_head 200 "$PY" perf/bench_gpu.py --sections decode --batches 1 --no-transformers \
     --quantization fp8 --fp8-lm-head --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 \
-    --out "$OUT/decode_fp8_lm_head.json" ;;
+    --out "$OUT/decode_fp8_lm_head.json"
+  # and with the LM head in int8 (model.int8_lm_head)
+  step decode_int8_lm_head 200 "$PY" perf/bench_gpu.py --sections decode --batches 1 --no-transformers \
+    --quantization fp8 --int8-lm-head --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 \
+    --out "$OUT/decode_int8_lm_head.json" ;;
 esac
 case ",$SKIP," in *,rows,*) ;; *)
   step bench_rows 420 "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \

@@ -41,7 +41,7 @@ def test_profile_key(tmp_path):
 def test_one_token_steps_read_the_e4m3_head():
     loaded = load_model(SPEC)
     model = loaded.model
-    weight_q, scale = model.lm_head_fp8
+    weight_q, scale = model.lm_head_q
     assert weight_q.dtype == FP8_DTYPE and weight_q.shape == model.lm_head.weight.shape
     assert model.lm_head.weight.dtype == torch.bfloat16  # the 16-bit head stays for larger steps
     torch.manual_seed(1)
@@ -60,7 +60,7 @@ def test_a_tied_embedding_keeps_its_16_bit_rows():
     model = load_model(spec).model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert model.lm_head_fp8[0].dtype == FP8_DTYPE
+    assert model.lm_head_q[0].dtype == FP8_DTYPE
 
 
 def test_a_16_bit_model_refuses_the_key():

@@ -188,7 +188,7 @@ def test_file_is_shown_as_given(tmp_path, monkeypatch):
         ),
         (
             [("model.weights", "x")],
-            "model.weights: unknown key; allowed keys: dtype, file, fp8_lm_head, fp8_smoothing, max_model_len, package, path, quantization, seed, shape, source, tokenizer",
+            "model.weights: unknown key; allowed keys: dtype, file, fp8_lm_head, fp8_smoothing, int8_lm_head, max_model_len, package, path, quantization, seed, shape, source, tokenizer",
         ),
         (
             [("device.num_gpus", 1)],

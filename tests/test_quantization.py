@@ -314,41 +314,25 @@ def test_fp8_smollm2_stays_close_to_bf16_over_a_real_text(smollm2_folder, smollm
     assert agree > 0.8, agree
 
 
-def test_int8_lm_head_candidate_rounds_each_row_to_its_scale():
-    """perf/perplexity.py --lm-head-int8's candidate: int8 values (held as floats) with one scale a
-    row (amax / 127), each weight within half a step of its row; an all-zero row stays zero."""
-    from perf.perplexity import quantize_rows_int8
-
-    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 3, 64)[:, None]
-    weight[5] = 0
-    q, scale = quantize_rows_int8(weight)
-    assert q.shape == weight.shape and scale.shape == (64,)
-    assert torch.equal(q, q.round()) and q.abs().max() <= 127
-    assert torch.all((q * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6)
-    assert torch.equal(q[5], torch.zeros(96))
-
-
-def test_perplexity_int8_lm_head_is_cpu_only_and_scoped(tmp_path, capsys, monkeypatch):
-    """--lm-head-int8 is refused on the GPU, naming the option, before any model loads; on the CPU it
-    swaps the -lmh variants' quantizer (only theirs) for that run only and says so in the JSON."""
-    import inflightllm.models.loader as loader
+def test_perplexity_int8_lm_head_sets_the_key_on_the_lmh_variants_only(tmp_path, monkeypatch):
+    """--lm-head-int8: the -lmh variants load with model.int8_lm_head (an int8 copy of the LM
+    head, read a row at a time), the others without; the JSON says which head."""
     from perf import perplexity
 
-    calls = []
-    candidate = perplexity.quantize_rows_int8
-    monkeypatch.setattr(perplexity, "quantize_rows_int8", lambda weight: calls.append(weight.shape) or candidate(weight))
+    seen = []
+    evaluate = perplexity.evaluate
 
-    with pytest.raises(SystemExit):
-        perplexity.main(["--device", "gpu", "--lm-head-int8"])
-    assert "--lm-head-int8: CPU emulation only" in capsys.readouterr().err
-    original = loader.quantize_per_channel
+    def recording(spec, *args):
+        seen.append((spec.quantization, spec.lm_head_kind()))
+        return evaluate(spec, *args)
+
+    monkeypatch.setattr(perplexity, "evaluate", recording)
     out = tmp_path / "ppl.json"
     assert perplexity.main(["--variants", "base,fp8-lmh", "--max-tokens", "24", "--lm-head-int8", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["lm_head"] == "int8" and set(figures["results"]) == {"base", "fp8-lmh"}
     assert 0.5 < figures["results"]["fp8-lmh"]["ratio_to_base"] < 2.0
-    assert len(calls) == 1 and calls[0][0] >= 49152  # the LM head alone ([vocab, hidden])
-    assert loader.quantize_per_channel is original
+    assert seen == [(None, None), ("fp8", "int8")]
 
 
 @pytest.mark.parametrize("capability, quantization, refused", [

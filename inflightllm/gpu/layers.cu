@@ -695,6 +695,10 @@ __device__ __forceinline__ void unpack(const uint4& v, float* f, float) {
 #endif
 template <typename T, typename WT> struct WChunk { using type = uint4; static constexpr int U = 4; };
 template <typename T> struct WChunk<T, unsigned char> { using type = uint2; static constexpr int U = FP8_GEMV_U; };
+// int8 weights (WT = signed char: model.int8_lm_head, small_gemv only): the same 8-byte chunks.
+template <typename T> struct WChunk<T, signed char> { using type = uint2; static constexpr int U = FP8_GEMV_U; };
+template <typename WT> struct IsInt8 { static constexpr bool value = false; };
+template <> struct IsInt8<signed char> { static constexpr bool value = true; };
 
 __device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
     const unsigned int words[2] = {v.x, v.y};
@@ -713,8 +717,21 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& v, float* f) {
 #endif
     }
 }
-template <typename T> __device__ __forceinline__ void unpack_w(const uint4& v, float* f) { unpack(v, f, T()); }
-template <typename T> __device__ __forceinline__ void unpack_w(const uint2& v, float* f) { unpack_e4m3x8(v, f); }
+// 8 int8 weights to floats, exactly and without I2F (a quarter-rate conversion that would bound
+// the GEMV below copy bandwidth): each byte, biased by 128 (xor 0x80), becomes the low mantissa
+// byte of 2^23 (prmt), and 2^23 + 128 is subtracted (one FADD; every value is an integer < 2^24).
+__device__ __forceinline__ void unpack_s8x8(const uint2& v, float* f) {
+    const unsigned int words[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            f[4 * k + i] = __uint_as_float(__byte_perm(words[k], 0x4B000000u, 0x7540u + i)) - 8388736.0f;
+}
+template <typename T, typename WT> __device__ __forceinline__ void unpack_w(const uint4& v, float* f) { unpack(v, f, T()); }
+template <typename T, typename WT> __device__ __forceinline__ void unpack_w(const uint2& v, float* f) {
+    if constexpr (IsInt8<WT>::value) unpack_s8x8(v, f); else unpack_e4m3x8(v, f);
+}
 __device__ __forceinline__ void pin(uint4& w) { asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w)); }
 __device__ __forceinline__ void pin(uint2& w) { asm volatile("" : "+r"(w.x), "+r"(w.y)); }
 
@@ -754,7 +771,7 @@ __device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int 
         for (int u = 0; u < U; ++u) {
             float wf[R][VEC];
 #pragma unroll
-            for (int r = 0; r < R; ++r) unpack_w<T>(w[u][r], wf[r]);
+            for (int r = 0; r < R; ++r) unpack_w<T, WT>(w[u][r], wf[r]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 if (m >= count) break;
@@ -771,7 +788,7 @@ __device__ __forceinline__ void warp_dot(const WT* const* rows, const T* x, int 
     for (; c < chunks; c += 32) {
         float wf[R][VEC];
 #pragma unroll
-        for (int r = 0; r < R; ++r) unpack_w<T>(__ldcs(reinterpret_cast<const C*>(rows[r]) + c), wf[r]);
+        for (int r = 0; r < R; ++r) unpack_w<T, WT>(__ldcs(reinterpret_cast<const C*>(rows[r]) + c), wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if (m >= count) break;

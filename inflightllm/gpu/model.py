@@ -28,7 +28,12 @@ from inflightllm.models.loader import (
     sampleable_vocab_size,
     smooth_before_quantizing,
 )
-from inflightllm.quantization.fp8 import FP8_DTYPE, FP8_LM_HEAD_MAX_ROWS, quantize_per_channel
+from inflightllm.quantization.fp8 import (
+    FP8_DTYPE,
+    FP8_LM_HEAD_MAX_ROWS,
+    quantize_lm_head,
+    quantize_per_channel,
+)
 from inflightllm.quantization.schemes import detect
 
 logger = logging.getLogger(__name__)
@@ -86,7 +91,7 @@ class GpuLlama:
             raise ValueError("model.quantization fp8 runs on one GPU: tensor_parallel_size must be 1")
         self.quantization = quantization
         self.fp8 = False  # True once the linears hold FP8 weights
-        self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head
+        self.lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head
         self.fp8_fast_accum = os.environ.get(FP8_FAST_ACCUM_ENV, "0").strip() in ("1", "on", "true", "yes")
         self.arch = arch
         self.dtype = dtype
@@ -270,11 +275,12 @@ class GpuLlama:
         torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def quantize_lm_head(self) -> None:
-        """model.fp8_lm_head: an e4m3 copy of the LM head (per-row scales) beside the bf16 one,
-        read weight-only by one-token steps (`compute_logits`; quantization.fp8)."""
-        weight_q, scale = quantize_per_channel(self.lm_head)
-        self.lm_head_fp8 = (weight_q, scale.view(1, -1).contiguous())
+    def quantize_lm_head(self, kind: str = "e4m3") -> None:
+        """model.fp8_lm_head ("e4m3") / int8_lm_head ("int8"): an 8-bit copy of the LM head
+        (per-row scales) beside the 16-bit one, read weight-only by one-token steps
+        (`compute_logits`, small_gemv; quantization.fp8)."""
+        weight_q, scale = quantize_lm_head(self.lm_head, kind)
+        self.lm_head_q = (weight_q, scale.view(1, -1).contiguous())
 
     @torch.no_grad()
     def load_quantized(self, folder, scheme) -> list[tuple[float, float]] | None:
@@ -502,9 +508,9 @@ class GpuLlama:
         None in the model's own dtype, as the LM head computes them (the runner's choice:
         the GPU sampler converts to float32 only where a step needs it, docs/GPU-ENGINE.md)."""
         rows = hidden.shape[0]
-        if (self.lm_head_fp8 is not None and rows <= min(FP8_LM_HEAD_MAX_ROWS, self.small_batch_max_tokens)
+        if (self.lm_head_q is not None and rows <= min(FP8_LM_HEAD_MAX_ROWS, self.small_batch_max_tokens)
                 and self.small_batch_kernels and ops.small_batch_ok(rows, self.arch.hidden_size, self.dtype)):
-            weight_q, scale = self.lm_head_fp8
+            weight_q, scale = self.lm_head_q
             logits = ops.small_gemv(torch.empty(rows, weight_q.shape[0], dtype=self.dtype, device=self.device),
                                     hidden.contiguous(), weight_q, None, weight_scale=scale)
         else:
@@ -568,8 +574,12 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     arch = LlamaArch.from_config(hf_config)
     scheme = detect(folder, hf_config) if spec.source == "hf_folder" else None
     quantization = "fp8" if scheme is not None or spec.quantization == "fp8" else None
-    if spec.fp8_lm_head:  # refused before any weight is read
+    head_kind = spec.lm_head_kind()  # refused before any weight is read
+    if spec.fp8_lm_head:
         check_fp8_lm_head(spec, quantization == "fp8")
+    if head_kind == "int8" and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
+        raise ValueError("model.int8_lm_head runs on one GPU for now: set engine.tensor_parallel_size to 1 "
+                         "(or drop model.int8_lm_head)")
     if quantization and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
         raise ValueError(
             "model.quantization fp8 (or an FP8 checkpoint) runs on one GPU for now: "
@@ -595,8 +605,8 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
         if scheme is None and spec.fp8_smoothing:
             smooth_before_quantizing(model.hf_state_dict(), arch, spec)
         model.quantize_fp8()
-    if spec.fp8_lm_head:
-        model.quantize_lm_head()
+    if head_kind is not None:
+        model.quantize_lm_head(head_kind)
     torch.cuda.synchronize(device)
     size = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
     logger.info(

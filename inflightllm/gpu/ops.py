@@ -332,9 +332,15 @@ _WARPS_PER_BLOCK = 8
 _MAX_SHARED = 227 * 1024  # H100/H200 opt-in shared memory per block
 
 
-def _weight_type(dtype: torch.dtype, fp8: bool) -> str:
-    """The kernels' weight element type: the model's, or e4m3 bytes (FP8 weights)."""
-    return "unsigned char" if fp8 else CUDA_TYPES[dtype]
+# Weight kinds of the small-batch kernels: "" (the model's dtype), "e4m3" (FP8 weights) and
+# "int8" (signed bytes: model.int8_lm_head; small_gemv only).
+_BYTE_WEIGHTS = {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}
+_WEIGHT_TYPES = {"e4m3": "unsigned char", "int8": "signed char"}
+
+
+def _weight_type(dtype: torch.dtype, wkind: str) -> str:
+    """The kernels' weight element type: the model's, e4m3 bytes or int8 bytes."""
+    return _WEIGHT_TYPES[wkind] if wkind else CUDA_TYPES[dtype]
 
 
 # The FP8 weight chunks (8 bytes) a lane has in flight, and the resident blocks a SM the
@@ -357,11 +363,12 @@ def small_gemv_defines() -> tuple[str, ...]:
 
 
 @functools.cache
-def _small_module(dtype: torch.dtype, device: int, fp8: bool = False):
+def _small_module(dtype: torch.dtype, device: int, wkind: str = ""):
     import cupy
 
-    ctype, wtype = CUDA_TYPES[dtype], _weight_type(dtype, fp8)
-    names = [f"{kernel}<{ctype},{wtype},{m}>" for kernel in SMALL_KERNELS for m in SMALL_BATCH_M]
+    ctype, wtype = CUDA_TYPES[dtype], _weight_type(dtype, wkind)
+    kernels = ("small_gemv",) if wkind == "int8" else SMALL_KERNELS
+    names = [f"{kernel}<{ctype},{wtype},{m}>" for kernel in kernels for m in SMALL_BATCH_M]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_source(), options=("-std=c++17", *small_gemv_defines()), name_expressions=names)
         module.compile()
@@ -380,10 +387,10 @@ def _allow_shared(function, key: tuple, shared: int) -> None:
 
 
 @functools.cache
-def _small_function(name: str, dtype: torch.dtype, m: int, device: int, fp8: bool = False):
+def _small_function(name: str, dtype: torch.dtype, m: int, device: int, wkind: str = ""):
     with _cupy_device(device):
-        return _small_module(dtype, device, fp8).get_function(
-            f"{name}<{CUDA_TYPES[dtype]},{_weight_type(dtype, fp8)},{m}>"
+        return _small_module(dtype, device, wkind).get_function(
+            f"{name}<{CUDA_TYPES[dtype]},{_weight_type(dtype, wkind)},{m}>"
         )
 
 
@@ -398,10 +405,10 @@ def _norm_shared_bytes(rows: torch.Tensor) -> int:
     return _template_m(tokens) * hidden * rows.element_size()
 
 
-def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0, fp8: bool = False):
+def _small_kernel(name: str, dtype: torch.dtype, tokens: int, device: int, shared: int = 0, wkind: str = ""):
     m = _template_m(tokens)
-    function = _small_function(name, dtype, m, device, fp8)
-    _allow_shared(function, (name, dtype, m, device, fp8), shared)
+    function = _small_function(name, dtype, m, device, wkind)
+    _allow_shared(function, (name, dtype, m, device, wkind), shared)
     return function
 
 
@@ -436,14 +443,18 @@ def _ptr_or_null(tensor: torch.Tensor | None) -> np.uintp:
     return np.uintp(0) if tensor is None else np.uintp(tensor.data_ptr())
 
 
-def _weight_args(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> tuple[bool, np.uintp, np.uintp]:
-    """(fp8, weight pointer, scale pointer or null): FP8 e4m3 weights need their float32
-    per-row scales ([N] or [1, N], contiguous)."""
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    if fp8 and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
-                or weight_scale.numel() != weight.shape[0]):
-        raise ValueError("small-batch kernel: FP8 weights need contiguous float32 scales, one per row")
-    return fp8, _ptr(weight), _ptr_or_null(weight_scale if fp8 else None)
+def _weight_args(weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                 kernel: str = "small_gemv") -> tuple[str, np.uintp, np.uintp]:
+    """(weight kind, weight pointer, scale pointer or null): e4m3 and int8 weights need their
+    float32 per-row scales ([N] or [1, N], contiguous); int8 weights go to small_gemv only."""
+    wkind = _BYTE_WEIGHTS.get(weight.dtype, "")
+    if wkind == "int8" and kernel != "small_gemv":
+        raise ValueError(f"small-batch kernel: {kernel} takes 16-bit or FP8 weights; int8 weights go to small_gemv only")
+    if wkind and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+                  or weight_scale.numel() != weight.shape[0]):
+        name = "FP8" if wkind == "e4m3" else "int8"
+        raise ValueError(f"small-batch kernel: {name} weights need contiguous float32 scales, one per row")
+    return wkind, _ptr(weight), _ptr_or_null(weight_scale if wkind else None)
 
 
 def _check_rows(**tensors: torch.Tensor | None) -> None:
@@ -471,9 +482,9 @@ def qkv_norm_rope(qkv, residual_in, delta, residual_out, norm_weight, weight, bi
     units = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
     shared = _norm_shared_bytes(residual_in)
     device = residual_in.device.index
-    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
+    wkind, weight_ptr, scale_ptr = _weight_args(weight, weight_scale, "qkv_norm_rope")
     _launch_small(
-        _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, device, shared, fp8),
+        _small_kernel("qkv_norm_rope", residual_in.dtype, tokens, device, shared, wkind),
         (-(-units // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(qkv), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), weight_ptr,
          scale_ptr, _ptr_or_null(bias), _ptr(positions), _ptr(cos_sin), _ptr_or_null(slot_mapping), _ptr_or_null(key_cache),
@@ -492,9 +503,9 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
     _check_rows(act=act, residual_in=residual_in, delta=delta, residual_out=residual_out, weight=weight)
     shared = _norm_shared_bytes(residual_in)
     device = residual_in.device.index
-    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
+    wkind, weight_ptr, scale_ptr = _weight_args(weight, weight_scale, "gate_up_norm_silu")
     _launch_small(
-        _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared, fp8),
+        _small_kernel("gate_up_norm_silu", residual_in.dtype, tokens, device, shared, wkind),
         (-(-inter // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(act), _ptr(residual_in), _ptr_or_null(delta), _ptr(residual_out), _ptr(norm_weight), weight_ptr,
          scale_ptr, _ptr_or_null(bias), np.int32(inter), np.int32(tokens), np.int32(hidden), np.float32(eps)),
@@ -503,16 +514,17 @@ def gate_up_norm_silu(act, residual_in, delta, residual_out, norm_weight, weight
 
 
 def small_gemv(out, x, weight, bias, fused=None, weight_scale=None) -> torch.Tensor:
-    """out [n, N] = x [n, K] @ weight[N, K].T + bias, for n <= MAX_SMALL_BATCH. With `fused`
+    """out [n, N] = x [n, K] @ weight[N, K].T + bias, for n <= MAX_SMALL_BATCH; weight 16-bit,
+    or e4m3 / int8 with `weight_scale` (float32, one per row, applied to each dot product). With `fused`
     (TensorParallelGroup.fused_all_reduce), `out` = that summed over the ranks: the all-reduce
     is done in the kernel (layers.cu, "The all-reduce fused into the small-batch GEMVs")."""
     tokens, width = x.shape
     rows = weight.shape[0]
     _check_rows(out=out, x=x, weight=weight)
     device = x.device.index
-    fp8, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
+    wkind, weight_ptr, scale_ptr = _weight_args(weight, weight_scale)
     _launch_small(
-        _small_kernel("small_gemv", x.dtype, tokens, device, fp8=fp8),
+        _small_kernel("small_gemv", x.dtype, tokens, device, wkind=wkind),
         (-(-rows // (2 * _WARPS_PER_BLOCK)),), (32 * _WARPS_PER_BLOCK,),
         (_ptr(out), _ptr(x), weight_ptr, scale_ptr, _ptr_or_null(bias), np.int32(rows), np.int32(tokens), np.int32(width),
          *_fused(fused)),

@@ -250,9 +250,9 @@ class LlamaForCausalLM(nn.Module):
     # Ids from here up are never sampled (their logits are -inf): the tokenizer has no
     # such ids (models/loader.py `sampleable_vocab_size`). None: every id of the model.
     sampleable_vocab_size: int | None = None
-    # model.fp8_lm_head: (e4m3 [vocab, hidden], float32 scales [vocab]) of the LM head, read
+    # model.fp8_lm_head / int8_lm_head: (e4m3 or int8 [vocab, hidden], float32 scales [vocab]) of the LM head, read
     # weight-only by steps of at most FP8_LM_HEAD_MAX_ROWS rows (quantization.fp8). None: off.
-    lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+    lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
@@ -284,8 +284,8 @@ class LlamaForCausalLM(nn.Module):
             if local.shape[1] < per_rank:
                 local = F.pad(local, (0, per_rank - local.shape[1]), value=float("-inf"))
             logits = self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
-        elif self.lm_head_fp8 is not None and hidden.shape[0] <= FP8_LM_HEAD_MAX_ROWS:
-            logits = linear_weight_only(hidden, *self.lm_head_fp8).float()
+        elif self.lm_head_q is not None and hidden.shape[0] <= FP8_LM_HEAD_MAX_ROWS:
+            logits = linear_weight_only(hidden, *self.lm_head_q).float()
         else:
             logits = self.lm_head(hidden).float()
         return mask_unsampleable(logits, self.sampleable_vocab_size)

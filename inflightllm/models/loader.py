@@ -11,7 +11,7 @@ import torch
 
 from inflightllm.model_source import ModelSpec, load_tokenizer, prepare
 from inflightllm.models.llama import LlamaArch, LlamaForCausalLM, rope_inverse_frequencies
-from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear, quantize_per_channel
+from inflightllm.quantization.fp8 import FP8_DTYPE, Fp8Linear, quantize_lm_head
 from inflightllm.quantization.schemes import (
     LINEAR_LEAVES,
     CheckpointQuantization,
@@ -242,7 +242,8 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
     arch = LlamaArch.from_config(config)
     scheme = detect(folder, config) if spec.source == "hf_folder" else None
     fp8 = scheme is not None or spec.quantization == "fp8"
-    if spec.fp8_lm_head:  # refused before any weight is read
+    head_kind = spec.lm_head_kind()  # refused before any weight is read
+    if spec.fp8_lm_head:
         check_fp8_lm_head(spec, fp8)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -260,8 +261,8 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> LoadedMod
         if spec.fp8_smoothing:
             smooth_before_quantizing(dict(model.named_parameters()), arch, spec)
         quantize_linears(model)
-    if spec.fp8_lm_head:
-        model.lm_head_fp8 = quantize_per_channel(model.lm_head.weight.data)
+    if head_kind is not None:
+        model.lm_head_q = quantize_lm_head(model.lm_head.weight.data, head_kind)
     # RoPE frequencies stay float32 (as in transformers), whatever the weights' dtype.
     model.model.rotary_emb.inv_freq = rope_inverse_frequencies(arch).to(device)
     model.sampleable_vocab_size = sampleable_vocab_size(folder, arch.vocab_size)

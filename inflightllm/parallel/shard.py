@@ -46,6 +46,9 @@ def _keep_columns(linear: nn.Linear, start: int, end: int) -> None:
 @torch.no_grad()
 def shard_llama(model: LlamaForCausalLM, tp: TensorParallelGroup) -> LlamaForCausalLM:
     """Keep this rank's share of every weight of the whole model `model`."""
+    if model.lm_head_q is not None:
+        raise ValueError("model.fp8_lm_head / model.int8_lm_head: the 8-bit LM head runs on one rank for now; "
+                         "set engine.tensor_parallel_size to 1 (or drop the key)")
     arch = model.arch
     rank, size = tp.rank, tp.world_size
     local = local_arch(arch, size)

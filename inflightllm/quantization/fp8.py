@@ -18,6 +18,8 @@ With `model.fp8_lm_head` the LM head is held in e4m3 too (per-row scales) and st
 most `FP8_LM_HEAD_MAX_ROWS` rows (one-token decode steps: the batch-1 step, where its 1.05 GB
 of bf16 weights are an eighth of the bytes read) compute their logits weight-only from it;
 larger steps keep the bf16 head (W8A8 logits cost 0.7-1.0 % of perplexity, weight-only 0.3-0.4 %).
+`model.int8_lm_head` does the same with the head in int8 (`quantize_rows_int8`: amax / 127 a
+row; the same bytes, a third of e4m3's perplexity cost: docs/QUANTIZATION.md), with any weights.
 
 Device-agnostic torch: the same functions run on CPU and CUDA tensors.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-# Steps of at most this many rows read the FP8 LM head (model.fp8_lm_head): the one-token
+# Steps of at most this many rows read the 8-bit LM head (model.fp8_lm_head, int8_lm_head): the one-token
 # steps that the GPU's small-batch kernels run (gpu/model.py SMALL_BATCH_MAX_TOKENS).
 FP8_LM_HEAD_MAX_ROWS = 1
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -42,6 +44,27 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     quantized = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scale
+
+
+INT8_MAX = 127.0
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scales [N]) with weight ~= q * scale[:, None]:
+    symmetric, one scale a row (amax / 127; model.int8_lm_head). `linear_weight_only` reads it
+    as it reads e4m3 rows (the GPU's small_gemv converts the bytes exactly: gpu/layers.cu)."""
+    scale = (weight.detach().abs().amax(dim=1).float() / INT8_MAX).clamp(min=1e-12)
+    quantized = (weight.float() / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return quantized, scale
+
+
+def quantize_lm_head(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's 8-bit copy of `kind` ("e4m3": model.fp8_lm_head, "int8": model.int8_lm_head)."""
+    if kind == "e4m3":
+        return quantize_per_channel(weight)
+    if kind == "int8":
+        return quantize_rows_int8(weight)
+    raise ValueError(f"LM head quantization {kind!r}: e4m3 or int8")
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +99,7 @@ def linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
 def linear_weight_only(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A16 reference (the small-batch GPU kernels): x stays in its dtype, the e4m3
-    weight is dequantized, the dot products are float32, the channel scale applies last."""
+    (or int8) weight is dequantized, the dot products are float32, the channel scale applies last."""
     out = (x.float() @ weight_q.float().t()) * weight_scale.float()[None, :]
     if bias is not None:
         out = out + bias.float()

@@ -281,6 +281,67 @@ def test_small_batch_fp8_gemv_matches_the_weight_only_reference(tokens, rows, wi
         ops.small_gemv(out, x, weight_q, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows, width", [(4096, 4096), (1537, 576), (576, 1536)])
+def test_small_batch_int8_gemv_matches_the_weight_only_reference(tokens, rows, width, dtype):
+    """The small-batch GEMV over int8 rows (model.int8_lm_head: bytes to floats exactly by prmt
+    and one FADD, scaled after the dot product) against `fp8.linear_weight_only` on the same
+    int8 values; an odd row count (the last warp's single row) and the chunk-by-chunk tail."""
+    from inflightllm.gpu import ops
+    from inflightllm.quantization.fp8 import linear_weight_only, quantize_rows_int8
+
+    torch.manual_seed(tokens + rows)
+    x = torch.randn(tokens, width, dtype=dtype, device="cuda")
+    weight = torch.randn(rows, width, device="cuda") * 0.02
+    weight[7, :5] = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.9])  # +-127 and the row's other values
+    weight_q, weight_scale = quantize_rows_int8(weight)
+    assert int(weight_q.min()) == -127 and int(weight_q.max()) == 127
+    out = torch.empty(tokens, rows, dtype=dtype, device="cuda")
+    with ops.torch_stream():
+        ops.small_gemv(out, x, weight_q, None, weight_scale=weight_scale)
+    torch.cuda.synchronize()
+    expected = linear_weight_only(x, weight_q, weight_scale)
+    exact = (x.float() @ weight_q.float().t()) * weight_scale[None, :]
+    error = float((out.float() - exact).norm() / exact.norm())
+    assert error < 2e-3, error
+    assert float((out == expected).float().mean()) >= 0.99  # the same float32 sums, rounded alike
+    with pytest.raises(ValueError, match="int8 weights need contiguous float32 scales"):
+        ops.small_gemv(out, x, weight_q, None)
+    with pytest.raises(ValueError, match="int8 weights go to small_gemv only"):
+        ops._weight_args(weight_q, weight_scale, "qkv_norm_rope")
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_int8_lm_head_reads_int8_rows_in_one_token_steps(quantization):
+    """model.int8_lm_head (16-bit or FP8 linears): one-token steps compute their logits from the
+    int8 copy of the LM head (small_gemv; `linear_weight_only` is the reference), larger steps
+    keep the bf16 head, and a batch-1 request decodes through it (CUDA graphs on)."""
+    from inflightllm.gpu import ops
+    from inflightllm.quantization.fp8 import linear_weight_only
+
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization=quantization, int8_lm_head=True)
+    engine = Engine(spec, gpu_config(), sampler_seed=0)
+    model = engine.loaded.model
+    weight_q, scale = model.lm_head_q
+    assert weight_q.dtype == torch.int8 and weight_q.shape == model.lm_head.shape
+    torch.manual_seed(5)
+    hidden = torch.randn(2, model.arch.hidden_size, dtype=torch.bfloat16, device="cuda")
+    with ops.torch_stream():
+        one = model.compute_logits(hidden[:1])
+        two = model.compute_logits(hidden)
+    torch.cuda.synchronize()
+    vocab = model.sampleable_vocab_size or one.shape[1]
+    expected = linear_weight_only(hidden[:1], weight_q, scale.view(-1)).float()[:, :vocab]
+    error = float((one[:, :vocab] - expected).norm() / expected.norm())
+    assert error < 5e-3, error
+    bf16 = torch.nn.functional.linear(hidden, model.lm_head).float()[:, :vocab]
+    torch.testing.assert_close(two[:, :vocab], bf16, rtol=0, atol=0)
+    assert float((one[:, :vocab] - bf16[:1]).abs().max()) > 0  # the int8 head, not the bf16 one
+    results = run(engine, make_prompts(1, engine.vocab_size, seed=6), [16])
+    assert len(results[0].token_ids) == 16
+
+
 def test_fp8_lm_head_reads_e4m3_rows_in_one_token_steps():
     """model.fp8_lm_head: one-token steps compute their logits from the e4m3 copy of the LM
     head (small_gemv, weight-only: `linear_weight_only` is the reference); larger steps keep
@@ -293,7 +354,7 @@ def test_fp8_lm_head_reads_e4m3_rows_in_one_token_steps():
     spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8", fp8_lm_head=True)
     engine = Engine(spec, gpu_config(), sampler_seed=0)
     model = engine.loaded.model
-    weight_q, scale = model.lm_head_fp8
+    weight_q, scale = model.lm_head_q
     assert weight_q.dtype == FP8_DTYPE and weight_q.shape == model.lm_head.shape
     torch.manual_seed(3)
     hidden = torch.randn(2, model.arch.hidden_size, dtype=torch.bfloat16, device="cuda")

@@ -1,0 +1,113 @@
+"""The int8 LM head (`model.int8_lm_head`, inflightllm.quantization.fp8.quantize_rows_int8): the
+profile key and its refusals, the quantizer's layout, the CPU model's one-token logits from the
+int8 copy (weight-only) while larger steps keep the 16-bit head, with 16-bit or FP8 linears, and
+greedy decoding through it. The GPU's small_gemv reads the same bytes (tests/gpu/test_fp8_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from inflightllm.config import EngineConfig
+from inflightllm.engine import Engine
+from inflightllm.llm import LLM
+from inflightllm.model_source import ModelSourceError, ModelSpec
+from inflightllm.models.loader import load_model
+from inflightllm.quantization.fp8 import (
+    FP8_LM_HEAD_MAX_ROWS,
+    linear_weight_only,
+    quantize_rows_int8,
+)
+from inflightllm.sampling_params import SamplingParams
+
+SPEC = ModelSpec(source="random", shape="tiny-llama3", seed=0, dtype="bfloat16", int8_lm_head=True)
+
+
+def test_profile_key(tmp_path):
+    from inflightllm.profile import ProfileError, load_profile
+    from tests.test_fp8_smoothing import model_profile
+
+    def profile(model_lines: str):
+        return model_profile(tmp_path, model_lines)
+
+    spec = profile("  int8_lm_head: true\n").model  # any weights: 16-bit here
+    assert spec.int8_lm_head is True and spec.lm_head_kind() == "int8"
+    assert ModelSpec.from_parameters(spec.to_parameters()) == spec
+    assert profile("  quantization: fp8\n  int8_lm_head: true\n").model.lm_head_kind() == "int8"
+    assert profile("  int8_lm_head: false\n").model.int8_lm_head is None
+    assert "model_int8_lm_head" not in profile("").model.to_parameters()
+    with pytest.raises(ProfileError, match=r"model.int8_lm_head: not with model.fp8_lm_head"):
+        profile("  quantization: fp8\n  fp8_lm_head: true\n  int8_lm_head: true\n")
+    with pytest.raises(ProfileError, match=r"model.int8_lm_head: .*true or false"):
+        profile("  int8_lm_head: yes please\n")
+    path = tmp_path / "tp.yaml"
+    path.write_text("name: t\nengine:\n  max_input_length: 512\n  max_output_len: 256\n"
+                    "device:\n  tensor_parallel_size: 2\n"
+                    "model:\n  source: random\n  shape: tiny-llama3\n  int8_lm_head: true\n")
+    with pytest.raises(ProfileError, match=r"model.int8_lm_head: the 8-bit LM head runs on one rank for now; "
+                                           r"device.tensor_parallel_size is 2"):
+        load_profile(path)
+
+
+def test_both_heads_are_refused_at_load():
+    with pytest.raises(ModelSourceError, match=r"model.fp8_lm_head and model.int8_lm_head are both set"):
+        load_model(dataclasses.replace(SPEC, quantization="fp8", fp8_lm_head=True))
+
+
+def test_quantize_rows_int8():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96, dtype=torch.bfloat16)
+    weight[3] = 0  # an all-zero row quantizes to zeros, no division by zero
+    weight[5, 7] = 40.0  # an outlier sets its own row's scale only
+    q, scale = quantize_rows_int8(weight)
+    assert q.dtype == torch.int8 and q.shape == weight.shape and scale.dtype == torch.float32 and scale.shape == (64,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(q[3], torch.zeros(96, dtype=torch.int8))
+    assert float(scale[5]) == pytest.approx(40.0 / 127) and float(scale[4]) < 0.05
+    # each value within half a step of its row's scale
+    error = (q.float() * scale[:, None] - weight.float()).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_one_token_steps_read_the_int8_head(quantization):
+    loaded = load_model(dataclasses.replace(SPEC, quantization=quantization))
+    model = loaded.model
+    weight_q, scale = model.lm_head_q
+    assert weight_q.dtype == torch.int8 and weight_q.shape == model.lm_head.weight.shape
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the 16-bit head stays for larger steps
+    torch.manual_seed(1)
+    hidden = torch.randn(FP8_LM_HEAD_MAX_ROWS + 1, loaded.arch.hidden_size, dtype=torch.bfloat16)
+    one = model.compute_logits(hidden[:1])
+    torch.testing.assert_close(one, linear_weight_only(hidden[:1], weight_q, scale).float(), rtol=0, atol=0)
+    both = model.compute_logits(hidden)
+    torch.testing.assert_close(both, model.lm_head(hidden).float(), rtol=0, atol=0)
+    assert not torch.equal(one, both[:1])
+    # the int8 head's logits stay closer to the 16-bit head's than e4m3's would (3 more bits)
+    assert float((one - both[:1]).norm() / both[:1].norm()) < 0.02
+
+
+def test_greedy_decoding_through_the_int8_head_follows_its_logits():
+    """A batch-1 request's decode steps take the int8 head: each generated id is the argmax of
+    the weight-only logits of the step before it (recomputed here without the cache)."""
+    from inflightllm.attention import SequenceSlice
+
+    engine = Engine(SPEC, EngineConfig(max_num_tokens=64, num_kv_blocks=16), sampler_seed=0)
+    prompt = [11, 400, 900, 33, 7]
+    result = LLM(SPEC, engine=engine, load_tokenizer_too=False).generate(
+        [prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])[0]
+    assert len(result.token_ids) == 6
+    model = engine.loaded.model
+    assert model.lm_head_q[0].dtype == torch.int8
+    runner = engine.runner
+    ids = prompt + result.token_ids
+    for position in range(len(prompt), len(ids)):
+        table = tuple(range(-(-position // runner.attention.block_size)))
+        metadata = runner.attention.build_metadata(
+            [SequenceSlice(query_start=0, query_len=position, context_len=position, block_table=table)], runner.device)
+        hidden = model(torch.tensor(ids[:position]), runner.attention, metadata)
+        logits = model.compute_logits(hidden[-1:])
+        assert torch.equal(logits, linear_weight_only(hidden[-1:], *model.lm_head_q).float())
+        assert int(logits.argmax()) == ids[position], position
