@@ -10,7 +10,7 @@ Variants (one process, the same tokens, the same chunking):
   by one-token steps; its logits are computed a row at a time so that every position takes
   that path (the others compute a chunk's logits at once, as prefill does).
   `--lm-head-int8`: the `-lmh` variants' LM head in int8 instead (`model.int8_lm_head`: per-row
-  scales, amax / 127; the same bytes as e4m3).
+  scales, amax / 127; the same bytes as e4m3), and `base-lmh` is the 16-bit model with it.
 
 The text (perf/inputs/coriolanus.txt: the opening of Shakespeare's Coriolanus, public
 domain, ~2,400 SmolLM2 tokens) is fed through the engine's own runner and paged KV cache
@@ -45,7 +45,7 @@ TEXT = Path(__file__).resolve().parent / "inputs" / "coriolanus.txt"
 # adds model.fp8_lm_head (int8_lm_head with --lm-head-int8), its logits computed a row at a time (as one-token steps read them).
 VARIANTS = {"base": (None, "auto", None), "fp8": ("fp8", "auto", None), "fp8-kv": ("fp8", "fp8", None),
             "fp8-smooth": ("fp8", "auto", 0.5), "fp8-kv-smooth": ("fp8", "fp8", 0.5)}
-VARIANTS.update({f"{name}-lmh": value for name, value in VARIANTS.items() if name != "base"})
+VARIANTS.update({f"{name}-lmh": value for name, value in VARIANTS.items()})  # base-lmh: --lm-head-int8 only
 DEFAULT_VARIANTS = ("base", "fp8", "fp8-kv")
 
 
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graphs=False,
     )
     head_key = "int8_lm_head" if args.lm_head_int8 else "fp8_lm_head"
+    if "base-lmh" in args.variants.split(",") and not args.lm_head_int8:
+        parser.error("--variants base-lmh: only with --lm-head-int8 (the e4m3 head needs FP8 linears)")
     results = {}
     base = None
     for name in args.variants.split(","):
