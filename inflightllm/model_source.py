@@ -76,7 +76,8 @@ class ModelSpec:
     # only (docs/QUANTIZATION.md). None: off.
     fp8_lm_head: bool | None = None
     # The LM head held in int8 (one scale a row, the 16-bit copy kept), read weight-only by
-    # one-token steps as fp8_lm_head's; with any weights. None: off. Not with fp8_lm_head.
+    # steps of up to 8 rows (quantization.fp8.INT8_LM_HEAD_MAX_ROWS); with any weights. None: off.
+    # Not with fp8_lm_head.
     int8_lm_head: bool | None = None
 
     def to_parameters(self) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The int8 LM head (`model.int8_lm_head`, inflightllm.quantization.fp8.quantize_rows_int8): the
-profile key and its refusals, the quantizer's layout, the CPU model's one-token logits from the
-int8 copy (weight-only) while larger steps keep the 16-bit head, with 16-bit or FP8 linears, and
+profile key and its refusals, the quantizer's layout, the CPU model's logits of steps of up to
+8 rows from the int8 copy (weight-only) while larger steps keep the 16-bit head, with 16-bit or FP8 linears, and
 greedy decoding through it. The GPU's small_gemv reads the same bytes (tests/gpu/test_fp8_gpu.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from inflightllm.llm import LLM
 from inflightllm.model_source import ModelSourceError, ModelSpec
 from inflightllm.models.loader import load_model
 from inflightllm.quantization.fp8 import (
-    FP8_LM_HEAD_MAX_ROWS,
+    INT8_LM_HEAD_MAX_ROWS,
     linear_weight_only,
     quantize_rows_int8,
 )
@@ -72,21 +72,24 @@ def test_quantize_rows_int8():
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_one_token_steps_read_the_int8_head(quantization):
+def test_steps_of_up_to_8_rows_read_the_int8_head(quantization):
     loaded = load_model(dataclasses.replace(SPEC, quantization=quantization))
     model = loaded.model
     weight_q, scale = model.lm_head_q
     assert weight_q.dtype == torch.int8 and weight_q.shape == model.lm_head.weight.shape
     assert model.lm_head.weight.dtype == torch.bfloat16  # the 16-bit head stays for larger steps
     torch.manual_seed(1)
-    hidden = torch.randn(FP8_LM_HEAD_MAX_ROWS + 1, loaded.arch.hidden_size, dtype=torch.bfloat16)
+    assert INT8_LM_HEAD_MAX_ROWS == 8
+    hidden = torch.randn(INT8_LM_HEAD_MAX_ROWS + 1, loaded.arch.hidden_size, dtype=torch.bfloat16)
+    for rows in (1, 3, INT8_LM_HEAD_MAX_ROWS):
+        logits = model.compute_logits(hidden[:rows])
+        torch.testing.assert_close(logits, linear_weight_only(hidden[:rows], weight_q, scale).float(), rtol=0, atol=0)
     one = model.compute_logits(hidden[:1])
-    torch.testing.assert_close(one, linear_weight_only(hidden[:1], weight_q, scale).float(), rtol=0, atol=0)
-    both = model.compute_logits(hidden)
-    torch.testing.assert_close(both, model.lm_head(hidden).float(), rtol=0, atol=0)
-    assert not torch.equal(one, both[:1])
+    larger = model.compute_logits(hidden)  # 9 rows: the 16-bit head
+    torch.testing.assert_close(larger, model.lm_head(hidden).float(), rtol=0, atol=0)
+    assert not torch.equal(one, larger[:1])
     # the int8 head's logits stay closer to the 16-bit head's than e4m3's would (3 more bits)
-    assert float((one - both[:1]).norm() / both[:1].norm()) < 0.02
+    assert float((one - larger[:1]).norm() / larger[:1].norm()) < 0.02
 
 
 def test_greedy_decoding_through_the_int8_head_follows_its_logits():

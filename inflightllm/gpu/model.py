@@ -30,7 +30,7 @@ from inflightllm.models.loader import (
 )
 from inflightllm.quantization.fp8 import (
     FP8_DTYPE,
-    FP8_LM_HEAD_MAX_ROWS,
+    lm_head_q_max_rows,
     quantize_lm_head,
     quantize_per_channel,
 )
@@ -508,7 +508,7 @@ class GpuLlama:
         None in the model's own dtype, as the LM head computes them (the runner's choice:
         the GPU sampler converts to float32 only where a step needs it, docs/GPU-ENGINE.md)."""
         rows = hidden.shape[0]
-        if (self.lm_head_q is not None and rows <= min(FP8_LM_HEAD_MAX_ROWS, self.small_batch_max_tokens)
+        if (self.lm_head_q is not None and rows <= lm_head_q_max_rows(self.lm_head_q[0])
                 and self.small_batch_kernels and ops.small_batch_ok(rows, self.arch.hidden_size, self.dtype)):
             weight_q, scale = self.lm_head_q
             logits = ops.small_gemv(torch.empty(rows, weight_q.shape[0], dtype=self.dtype, device=self.device),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflightllm.attention.base import AttentionBackend, AttentionMetadata
-from inflightllm.quantization.fp8 import FP8_LM_HEAD_MAX_ROWS, linear_weight_only
+from inflightllm.quantization.fp8 import linear_weight_only, lm_head_q_max_rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
     # such ids (models/loader.py `sampleable_vocab_size`). None: every id of the model.
     sampleable_vocab_size: int | None = None
     # model.fp8_lm_head / int8_lm_head: (e4m3 or int8 [vocab, hidden], float32 scales [vocab]) of the LM head, read
-    # weight-only by steps of at most FP8_LM_HEAD_MAX_ROWS rows (quantization.fp8). None: off.
+    # weight-only by steps of at most fp8.lm_head_q_max_rows rows (1 e4m3, 8 int8). None: off.
     lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch: LlamaArch):
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             if local.shape[1] < per_rank:
                 local = F.pad(local, (0, per_rank - local.shape[1]), value=float("-inf"))
             logits = self.tp.all_gather_last(local)[:, : self.arch.vocab_size].float()
-        elif self.lm_head_q is not None and hidden.shape[0] <= FP8_LM_HEAD_MAX_ROWS:
+        elif self.lm_head_q is not None and hidden.shape[0] <= lm_head_q_max_rows(self.lm_head_q[0]):
             logits = linear_weight_only(hidden, *self.lm_head_q).float()
         else:
             logits = self.lm_head(hidden).float()

@@ -19,7 +19,8 @@ most `FP8_LM_HEAD_MAX_ROWS` rows (one-token decode steps: the batch-1 step, wher
 of bf16 weights are an eighth of the bytes read) compute their logits weight-only from it;
 larger steps keep the bf16 head (W8A8 logits cost 0.7-1.0 % of perplexity, weight-only 0.3-0.4 %).
 `model.int8_lm_head` does the same with the head in int8 (`quantize_rows_int8`: amax / 127 a
-row; the same bytes, a third of e4m3's perplexity cost: docs/QUANTIZATION.md), with any weights.
+row; the same bytes at the 16-bit head's perplexity: docs/QUANTIZATION.md), with any weights, for
+steps of up to `INT8_LM_HEAD_MAX_ROWS` (8) rows.
 
 Device-agnostic torch: the same functions run on CPU and CUDA tensors.
 """
@@ -32,6 +33,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 # Steps of at most this many rows read the 8-bit LM head (model.fp8_lm_head, int8_lm_head): the one-token
 # steps that the GPU's small-batch kernels run (gpu/model.py SMALL_BATCH_MAX_TOKENS).
 FP8_LM_HEAD_MAX_ROWS = 1
+# Steps of at most this many rows read the int8 LM head (model.int8_lm_head): it costs no
+# perplexity, so every step the GPU's small_gemv takes (ops.MAX_SMALL_BATCH rows) reads it,
+# where the bf16 head would be read whole for a few rows of logits.
+INT8_LM_HEAD_MAX_ROWS = 8
+
+
+def lm_head_q_max_rows(weight_q: torch.Tensor) -> int:
+    """The most rows a step may have to read the LM head's 8-bit copy `weight_q`."""
+    return INT8_LM_HEAD_MAX_ROWS if weight_q.dtype == torch.int8 else FP8_LM_HEAD_MAX_ROWS
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # Floor of a scale: an all-zero row or channel gets this instead of 0 (no division by zero;
 # its values quantize to 0 either way).
