@@ -76,7 +76,7 @@ class ModelSpec:
     # only (docs/QUANTIZATION.md). None: off.
     fp8_lm_head: bool | None = None
     # The LM head held in int8 (one scale a row, the 16-bit copy kept), read weight-only by
-    # steps of up to 8 rows (quantization.fp8.INT8_LM_HEAD_MAX_ROWS); with any weights. None: off.
+    # steps of up to 4 rows (quantization.fp8.INT8_LM_HEAD_MAX_ROWS); with any weights. None: off.
     # Not with fp8_lm_head.
     int8_lm_head: bool | None = None
 

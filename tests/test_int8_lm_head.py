@@ -1,6 +1,6 @@
 """The int8 LM head (`model.int8_lm_head`, inflightllm.quantization.fp8.quantize_rows_int8): the
 profile key and its refusals, the quantizer's layout, the CPU model's logits of steps of up to
-8 rows from the int8 copy (weight-only) while larger steps keep the 16-bit head, with 16-bit or FP8 linears, and
+4 rows from the int8 copy (weight-only) while larger steps keep the 16-bit head, with 16-bit or FP8 linears, and
 greedy decoding through it. The GPU's small_gemv reads the same bytes (tests/gpu/test_fp8_gpu.py)."""
 
 from __future__ import annotations
@@ -72,20 +72,20 @@ def test_quantize_rows_int8():
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_steps_of_up_to_8_rows_read_the_int8_head(quantization):
+def test_steps_of_up_to_4_rows_read_the_int8_head(quantization):
     loaded = load_model(dataclasses.replace(SPEC, quantization=quantization))
     model = loaded.model
     weight_q, scale = model.lm_head_q
     assert weight_q.dtype == torch.int8 and weight_q.shape == model.lm_head.weight.shape
     assert model.lm_head.weight.dtype == torch.bfloat16  # the 16-bit head stays for larger steps
     torch.manual_seed(1)
-    assert INT8_LM_HEAD_MAX_ROWS == 8
+    assert INT8_LM_HEAD_MAX_ROWS == 4
     hidden = torch.randn(INT8_LM_HEAD_MAX_ROWS + 1, loaded.arch.hidden_size, dtype=torch.bfloat16)
     for rows in (1, 3, INT8_LM_HEAD_MAX_ROWS):
         logits = model.compute_logits(hidden[:rows])
         torch.testing.assert_close(logits, linear_weight_only(hidden[:rows], weight_q, scale).float(), rtol=0, atol=0)
     one = model.compute_logits(hidden[:1])
-    larger = model.compute_logits(hidden)  # 9 rows: the 16-bit head
+    larger = model.compute_logits(hidden)  # 5 rows: the 16-bit head
     torch.testing.assert_close(larger, model.lm_head(hidden).float(), rtol=0, atol=0)
     assert not torch.equal(one, larger[:1])
     # the int8 head's logits stay closer to the 16-bit head's than e4m3's would (3 more bits)

@@ -20,7 +20,7 @@ of bf16 weights are an eighth of the bytes read) compute their logits weight-onl
 larger steps keep the bf16 head (W8A8 logits cost 0.7-1.0 % of perplexity, weight-only 0.3-0.4 %).
 `model.int8_lm_head` does the same with the head in int8 (`quantize_rows_int8`: amax / 127 a
 row; the same bytes at the 16-bit head's perplexity: docs/QUANTIZATION.md), with any weights, for
-steps of up to `INT8_LM_HEAD_MAX_ROWS` (8) rows.
+steps of up to `INT8_LM_HEAD_MAX_ROWS` (4) rows.
 
 Device-agnostic torch: the same functions run on CPU and CUDA tensors.
 """
@@ -34,9 +34,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 # steps that the GPU's small-batch kernels run (gpu/model.py SMALL_BATCH_MAX_TOKENS).
 FP8_LM_HEAD_MAX_ROWS = 1
 # Steps of at most this many rows read the int8 LM head (model.int8_lm_head): it costs no
-# perplexity, so every step the GPU's small_gemv takes (ops.MAX_SMALL_BATCH rows) reads it,
-# where the bf16 head would be read whole for a few rows of logits.
-INT8_LM_HEAD_MAX_ROWS = 8
+# perplexity, so steps of a few rows read it too, where cuBLAS reads the whole bf16 head for a
+# few rows of logits. Not 8: there small_gemv's FMAs bind and the bf16 head is as fast (one
+# H100, FP8 Llama-3-8B decode step at batch 2 / 4 / 8: -0.17 / -0.14..-0.37 / +0.16..+0.24 ms).
+INT8_LM_HEAD_MAX_ROWS = 4
 
 
 def lm_head_q_max_rows(weight_q: torch.Tensor) -> int:

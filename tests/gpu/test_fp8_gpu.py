@@ -314,9 +314,9 @@ def test_small_batch_int8_gemv_matches_the_weight_only_reference(tokens, rows, w
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_int8_lm_head_reads_int8_rows_in_one_token_steps(quantization):
-    """model.int8_lm_head (16-bit or FP8 linears): steps of up to 8 rows compute their logits
+    """model.int8_lm_head (16-bit or FP8 linears): steps of up to 4 rows compute their logits
     from the int8 copy of the LM head (small_gemv; `linear_weight_only` is the reference), larger
-    steps keep the bf16 head, and batches of 1 and 5 requests decode through it (CUDA graphs on)."""
+    steps keep the bf16 head, and batches of 1 and 3 requests decode through it (CUDA graphs on)."""
     from inflightllm.gpu import ops
     from inflightllm.quantization.fp8 import linear_weight_only
 
@@ -326,20 +326,20 @@ def test_int8_lm_head_reads_int8_rows_in_one_token_steps(quantization):
     weight_q, scale = model.lm_head_q
     assert weight_q.dtype == torch.int8 and weight_q.shape == model.lm_head.shape
     torch.manual_seed(5)
-    hidden = torch.randn(9, model.arch.hidden_size, dtype=torch.bfloat16, device="cuda")
+    hidden = torch.randn(5, model.arch.hidden_size, dtype=torch.bfloat16, device="cuda")
     with ops.torch_stream():
-        small = {rows: model.compute_logits(hidden[:rows]) for rows in (1, 3, 8)}
-        nine = model.compute_logits(hidden)
+        small = {rows: model.compute_logits(hidden[:rows]) for rows in (1, 3, 4)}
+        five = model.compute_logits(hidden)
     torch.cuda.synchronize()
-    vocab = model.sampleable_vocab_size or nine.shape[1]
+    vocab = model.sampleable_vocab_size or five.shape[1]
     bf16 = torch.nn.functional.linear(hidden, model.lm_head).float()[:, :vocab]
     for rows, logits in small.items():
         expected = linear_weight_only(hidden[:rows], weight_q, scale.view(-1)).float()[:, :vocab]
         error = float((logits[:, :vocab] - expected).norm() / expected.norm())
         assert error < 5e-3, (rows, error)
         assert float((logits[:, :vocab] - bf16[:rows]).abs().max()) > 0  # the int8 head, not the bf16 one
-    torch.testing.assert_close(nine[:, :vocab], bf16, rtol=0, atol=0)
-    for count in (1, 5):
+    torch.testing.assert_close(five[:, :vocab], bf16, rtol=0, atol=0)
+    for count in (1, 3):
         results = run(engine, make_prompts(count, engine.vocab_size, seed=6), [16] * count)
         assert all(len(r.token_ids) == 16 for r in results)
 
