@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-# Steps of at most this many rows read the 8-bit LM head (model.fp8_lm_head, int8_lm_head): the one-token
-# steps that the GPU's small-batch kernels run (gpu/model.py SMALL_BATCH_MAX_TOKENS).
+# Steps of at most this many rows read the e4m3 LM head (model.fp8_lm_head): one-token steps
+# (its perplexity cost was measured at one row a step).
 FP8_LM_HEAD_MAX_ROWS = 1
 # Steps of at most this many rows read the int8 LM head (model.int8_lm_head): it costs no
 # perplexity, so steps of a few rows read it too, where cuBLAS reads the whole bf16 head for a
