@@ -68,17 +68,18 @@ def test_a_16_bit_model_refuses_the_key():
         load_model(dataclasses.replace(SPEC, quantization=None))
 
 
-def test_greedy_decoding_through_the_fp8_head_follows_its_logits():
-    """A batch-1 request's decode steps take the e4m3 head: each generated id is the argmax of
-    the weight-only logits of the step before it (recomputed here without the cache)."""
-    engine = Engine(SPEC, EngineConfig(max_num_tokens=64, num_kv_blocks=16), sampler_seed=0)
+def greedy_decoding_follows_the_head(spec: ModelSpec, head_dtype: torch.dtype) -> None:
+    """A batch-1 request's decode steps take the 8-bit head of `spec`: each generated id is the
+    argmax of the weight-only logits of the step before it (recomputed here without the cache)."""
+    from inflightllm.attention import SequenceSlice
+
+    engine = Engine(spec, EngineConfig(max_num_tokens=64, num_kv_blocks=16), sampler_seed=0)
     prompt = [11, 400, 900, 33, 7]
-    result = LLM(SPEC, engine=engine, load_tokenizer_too=False).generate(
+    result = LLM(spec, engine=engine, load_tokenizer_too=False).generate(
         [prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])[0]
     assert len(result.token_ids) == 6
     model = engine.loaded.model
-    from inflightllm.attention import SequenceSlice
-
+    assert model.lm_head_q[0].dtype == head_dtype
     runner = engine.runner
     ids = prompt + result.token_ids
     for position in range(len(prompt), len(ids)):
@@ -87,4 +88,9 @@ def test_greedy_decoding_through_the_fp8_head_follows_its_logits():
             [SequenceSlice(query_start=0, query_len=position, context_len=position, block_table=table)], runner.device)
         hidden = model(torch.tensor(ids[:position]), runner.attention, metadata)
         logits = model.compute_logits(hidden[-1:])
+        assert torch.equal(logits, linear_weight_only(hidden[-1:], *model.lm_head_q).float())
         assert int(logits.argmax()) == ids[position], position
+
+
+def test_greedy_decoding_through_the_fp8_head_follows_its_logits():
+    greedy_decoding_follows_the_head(SPEC, FP8_DTYPE)

@@ -10,9 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from inflightllm.config import EngineConfig
-from inflightllm.engine import Engine
-from inflightllm.llm import LLM
 from inflightllm.model_source import ModelSourceError, ModelSpec
 from inflightllm.models.loader import load_model
 from inflightllm.quantization.fp8 import (
@@ -20,7 +17,7 @@ from inflightllm.quantization.fp8 import (
     linear_weight_only,
     quantize_rows_int8,
 )
-from inflightllm.sampling_params import SamplingParams
+from tests.test_fp8_lm_head import greedy_decoding_follows_the_head
 
 SPEC = ModelSpec(source="random", shape="tiny-llama3", seed=0, dtype="bfloat16", int8_lm_head=True)
 
@@ -93,24 +90,4 @@ def test_steps_of_up_to_4_rows_read_the_int8_head(quantization):
 
 
 def test_greedy_decoding_through_the_int8_head_follows_its_logits():
-    """A batch-1 request's decode steps take the int8 head: each generated id is the argmax of
-    the weight-only logits of the step before it (recomputed here without the cache)."""
-    from inflightllm.attention import SequenceSlice
-
-    engine = Engine(SPEC, EngineConfig(max_num_tokens=64, num_kv_blocks=16), sampler_seed=0)
-    prompt = [11, 400, 900, 33, 7]
-    result = LLM(SPEC, engine=engine, load_tokenizer_too=False).generate(
-        [prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])[0]
-    assert len(result.token_ids) == 6
-    model = engine.loaded.model
-    assert model.lm_head_q[0].dtype == torch.int8
-    runner = engine.runner
-    ids = prompt + result.token_ids
-    for position in range(len(prompt), len(ids)):
-        table = tuple(range(-(-position // runner.attention.block_size)))
-        metadata = runner.attention.build_metadata(
-            [SequenceSlice(query_start=0, query_len=position, context_len=position, block_table=table)], runner.device)
-        hidden = model(torch.tensor(ids[:position]), runner.attention, metadata)
-        logits = model.compute_logits(hidden[-1:])
-        assert torch.equal(logits, linear_weight_only(hidden[-1:], *model.lm_head_q).float())
-        assert int(logits.argmax()) == ids[position], position
+    greedy_decoding_follows_the_head(SPEC, torch.int8)
