@@ -5,7 +5,8 @@
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
 # TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,rows) change
-# what runs; V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention),
+# what runs (decode: batches 1, 2, 32, 256; lmhead: batch 1 with the e4m3 and the int8 LM head);
+# V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention),
 # GEMV_VARIANTS="- INFLIGHTLLM_FP8_GEMV_U=16 ..." the one-token kernels per variant (perf.bench_small_gemv;
 # "-": the defaults; several variables of a variant joined by commas).
 set -u
@@ -26,7 +27,7 @@ case ",$SKIP," in *,ppl,*) ;; *)
   step perplexity 200 "$PY" -m perf.perplexity --device gpu --variants "$PPL_VARIANTS" --out "$OUT/perplexity.json" ;;
 esac
 case ",$SKIP," in *,decode,*) ;; *)
-  step decode_fp8 200 "$PY" perf/bench_gpu.py --sections decode --batches 1,32,256 --no-transformers \
+  step decode_fp8 200 "$PY" perf/bench_gpu.py --sections decode --batches 1,2,32,256 --no-transformers \
     --quantization fp8 --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 --out "$OUT/decode_fp8.json" ;;
 esac
 case ",$SKIP," in *,decode,*|*,lmhead,*) ;; *)
