@@ -531,3 +531,64 @@ def small_gemv(out, x, weight, bias, fused=None, weight_scale=None) -> torch.Ten
         device,
     )
     return out
+
+
+# ---- FP8 GEMM for a few rows (fp8_small_m.cu) ----------------------------------------------
+FP8_SMALL_M_SOURCE = Path(__file__).with_name("fp8_small_m.cu")
+FP8_SMALL_M_MAX = 32  # tokens: 8 a token tile, at most 4 tiles
+FP8_SMALL_M_ENV = "INFLIGHTLLM_FP8_SMALL_M"
+
+
+def fp8_small_m_enabled() -> bool:
+    """`INFLIGHTLLM_FP8_SMALL_M=on`: FP8 GEMMs of at most FP8_SMALL_M_MAX rows run
+    fp8_small_m_gemm instead of torch._scaled_mm. Off by default until an H100/H200 run has
+    measured it (docs/CUDA-KERNELS.md, "FP8 GEMM for a few rows")."""
+    return os.environ.get(FP8_SMALL_M_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+
+
+@functools.cache
+def _fp8_small_m_module(device: int):
+    import cupy
+
+    names = [f"fp8_small_m_gemm<{ctype},{tiles}>" for ctype in ("__half", "__nv_bfloat16") for tiles in (1, 2, 4)]
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=FP8_SMALL_M_SOURCE.read_text(encoding="utf-8"), options=("-std=c++17",),
+                                name_expressions=names)
+        module.compile()
+    return module
+
+
+def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
+    """Whether fp8_small_m_gemm takes `tokens` rows of `width` on GPU `device` (FP8 tensor
+    cores: compute capability 8.9 and later; K in steps of 64)."""
+    return 0 < tokens <= FP8_SMALL_M_MAX and width % 64 == 0 and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                     weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = (x_q [M, K] @ weight [N, K].T) * x_scale[:, None] * weight_scale[None, :]
+    (+ bias), e4m3 inputs with float32 per-token and per-channel scales (quantization.fp8.linear's
+    numbers), for M <= FP8_SMALL_M_MAX; out bf16 or fp16. On CuPy's current stream (torch_stream)."""
+    tokens, width = x_q.shape
+    rows = weight.shape[0]
+    device = x_q.device.index
+    if x_q.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != width:
+        raise ValueError("fp8_small_m_gemm: x_q [M, K] and weight [N, K] must be float8_e4m3fn")
+    if out.dtype not in (torch.float16, torch.bfloat16) or out.shape != (tokens, rows):
+        raise ValueError(f"fp8_small_m_gemm: out must be bf16 or fp16 [{tokens}, {rows}]")
+    if not fp8_small_m_ok(tokens, width, device):
+        raise ValueError(f"fp8_small_m_gemm: {tokens} rows of width {width}: at most {FP8_SMALL_M_MAX} rows, "
+                         "a width divisible by 64, a GPU with FP8 tensor cores (8.9+)")
+    for name, scale, count in (("x_scale", x_scale, tokens), ("weight_scale", weight_scale, rows)):
+        if scale.dtype != torch.float32 or not scale.is_contiguous() or scale.numel() != count:
+            raise ValueError(f"fp8_small_m_gemm: {name} must be {count} contiguous float32 values")
+    if bias is not None and (bias.dtype != out.dtype or bias.numel() != rows or not bias.is_contiguous()):
+        raise ValueError(f"fp8_small_m_gemm: bias must be {rows} contiguous values of out's dtype")
+    _check_rows(out=out, x_q=x_q, weight=weight)
+    tiles = 1 if tokens <= 8 else 2 if tokens <= 16 else 4
+    with _cupy_device(device):
+        kernel = _fp8_small_m_module(device).get_function(f"fp8_small_m_gemm<{CUDA_TYPES[out.dtype]},{tiles}>")
+        kernel((-(-rows // 16),), (256,),
+               (_ptr(out), _ptr(x_q), _ptr(x_scale), _ptr(weight), _ptr(weight_scale), _ptr_or_null(bias),
+                np.int32(tokens), np.int32(rows), np.int32(width)))
+    return out

@@ -27,7 +27,7 @@ from inflightllm.quantization.fp8 import (  # noqa: E402
     quantize_per_channel,
     quantize_per_token,
 )
-from tests.gpu.test_gpu_engine import gpu_config, make_prompts, model_spec, run  # noqa: E402
+from tests.gpu.test_gpu_engine import fresh_engine, gpu_config, make_prompts, model_spec, run  # noqa: E402
 
 
 def _rows(tokens: int, width: int):
@@ -375,3 +375,59 @@ def test_fp8_lm_head_reads_e4m3_rows_in_one_token_steps():
     assert len(results[0].token_ids) == 16
     with pytest.raises(ValueError, match="model.fp8_lm_head: .* is not served with FP8 weights"):
         load_gpu_model(dataclasses.replace(spec, quantization=None), gpu_config())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("rows, width", [(4096, 4096), (6144, 4096), (4096, 14336), (40, 256)])
+def test_fp8_small_m_gemm_matches_the_w8a8_reference(tokens, rows, width, dtype):
+    """ops.fp8_small_m_gemm (mma.sync e4m3, 8 warps splitting K, float32 sums) against the
+    products of the same e4m3 values in float32 (quantization.fp8.linear's numbers): one to four
+    token tiles, a partial last tile, a partial last block of channels (40 rows), a bias."""
+    from inflightllm.gpu import ops
+
+    if not ops.fp8_small_m_ok(tokens, width, torch.cuda.current_device()):
+        pytest.skip("FP8 tensor cores: compute capability 8.9 and later")
+    torch.manual_seed(tokens + rows + width)
+    x_q, x_scale = quantize_per_token(torch.randn(tokens, width, device="cuda", dtype=dtype))
+    weight_q, weight_scale = quantize_per_channel(torch.randn(rows, width, device="cuda") * 0.02)
+    bias = torch.randn(rows, device="cuda", dtype=dtype)
+    out = torch.empty(tokens, rows, device="cuda", dtype=dtype)
+    with ops.torch_stream():
+        ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight_q, weight_scale, bias)
+    torch.cuda.synchronize()
+    exact = (x_q.float() @ weight_q.float().t()) * x_scale * weight_scale[None, :] + bias.float()
+    error = float((out.float() - exact).norm() / exact.norm())
+    assert error < 2e-3, error
+    assert float((out == exact.to(dtype)).float().mean()) >= 0.99  # the same float32 sums, rounded alike
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        ops.fp8_small_m_gemm(torch.empty(33, rows, device="cuda", dtype=dtype),
+                             torch.zeros(33, width, device="cuda").to(FP8_DTYPE),
+                             torch.ones(33, device="cuda"), weight_q, weight_scale)
+
+
+def test_fp8_small_m_decode_steps_follow_scaled_mm():
+    """INFLIGHTLLM_FP8_SMALL_M: an FP8 engine's decode steps of 3-32 rows run fp8_small_m_gemm
+    (CUDA graphs on); the first decode step's greedy ids equal torch._scaled_mm's for 5 requests
+    (the same e4m3 products), and generation runs to the end."""
+    from inflightllm.gpu import ops
+
+    if not ops.fp8_small_m_ok(8, 64, torch.cuda.current_device()):
+        pytest.skip("FP8 tensor cores: compute capability 8.9 and later")
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8")
+    engine = Engine(spec, gpu_config(), sampler_seed=0)
+    prompts = make_prompts(5, engine.vocab_size, seed=7)
+    reference = run(engine, prompts, [12] * 5)
+    model = engine.loaded.model
+    calls = []
+    original = ops.fp8_small_m_gemm
+    model.fp8_small_m = True
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ops, "fp8_small_m_gemm", lambda *args: calls.append(args[1].shape[0]) or original(*args))
+            results = run(fresh_engine(engine), prompts, [12] * 5)
+    finally:
+        model.fp8_small_m = False
+    assert calls and set(calls) <= set(range(1, 33))
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert [r.token_ids[:2] for r in results] == [r.token_ids[:2] for r in reference]
