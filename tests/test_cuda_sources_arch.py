@@ -2,7 +2,7 @@
 later: inflightllm.gpu.model.MIN_CAPABILITY), because CuPy compiles a whole module for the GPU
 at hand: one instruction that ptxas refuses below sm_89 made layers.cu, and with it the engine
 of every dtype, fail on an A100. CI has no GPU and no nvcc, so this reads the sources: inline PTX
-that needs sm_89 (FP8 conversions) or sm_90 (PDL, TMA bulk copies, mbarrier transactions) must
+that needs sm_89 (FP8 conversions and mma) or sm_90 (PDL, TMA bulk copies, mbarrier transactions) must
 sit in the `#if` branch of an `__CUDA_ARCH__ >=` guard at least that high, or in SM90_ASM
 (gpu/pdl.cuh: the asm on sm_90+, a trap below)."""
 
@@ -18,6 +18,7 @@ SOURCES = sorted(p for p in ROOT.rglob("*") if p.suffix in (".cu", ".cuh"))
 # PTX and the lowest architecture (x 10) that has it
 NEEDS = (
     (re.compile(r"\b(cvt\.[a-z0-9.]*e[45]m[23]x2)"), 890),
+    (re.compile(r"\b(mma\.[a-z0-9.]*\.e[45]m[23])"), 890),
     (re.compile(r"\bgriddepcontrol\b"), 900),
     (re.compile(r"\bcp\.async\.bulk\b"), 900),
     (re.compile(r"\bmbarrier\.(try_wait|arrive\.expect_tx|init)\b"), 900),
