@@ -4,8 +4,9 @@
 #
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
-# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,rows) change
-# what runs (decode: batches 1, 2, 32, 256; lmhead: batch 1 with the e4m3 and the int8 LM head);
+# TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,smallm,rows)
+# change what runs (decode: batches 1, 2, 32, 256; lmhead: batch 1 with the e4m3 and the int8 LM head;
+# smallm: batches 1-32 with and without fp8_small_m_gemm);
 # V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention),
 # GEMV_VARIANTS="- INFLIGHTLLM_FP8_GEMV_U=16 ..." the one-token kernels per variant (perf.bench_small_gemv;
 # "-": the defaults; several variables of a variant joined by commas).
@@ -39,6 +40,14 @@ case ",$SKIP," in *,decode,*|*,lmhead,*) ;; *)
   step decode_int8_lm_head 200 "$PY" perf/bench_gpu.py --sections decode --batches 1 --no-transformers \
     --quantization fp8 --int8-lm-head --kv-cache-dtype "${DECODE_KV:-auto}" --gpu-memory-utilization 0.9 \
     --out "$OUT/decode_int8_lm_head.json" ;;
+esac
+case ",$SKIP," in *,decode,*|*,smallm,*) ;; *)
+  # FP8 GEMMs of 3-32 rows on fp8_small_m_gemm (INFLIGHTLLM_FP8_SMALL_M=on) against torch._scaled_mm
+  for setting in off on; do
+    step "decode_fp8_small_m_$setting" 200 env INFLIGHTLLM_FP8_SMALL_M="$setting" "$PY" perf/bench_gpu.py --sections decode \
+      --batches 1,2,4,8,16,32 --no-transformers --quantization fp8 --int8-lm-head --gpu-memory-utilization 0.9 \
+      --out "$OUT/decode_fp8_small_m_$setting.json"
+  done ;;
 esac
 case ",$SKIP," in *,rows,*) ;; *)
   step bench_rows 420 "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \
