@@ -282,8 +282,8 @@ class GpuLlama:
     @torch.no_grad()
     def quantize_lm_head(self, kind: str = "e4m3") -> None:
         """model.fp8_lm_head ("e4m3") / int8_lm_head ("int8"): an 8-bit copy of the LM head
-        (per-row scales) beside the 16-bit one, read weight-only by one-token steps
-        (`compute_logits`, small_gemv; quantization.fp8)."""
+        (per-row scales) beside the 16-bit one, read weight-only by steps of at most
+        `fp8.lm_head_q_max_rows` rows (`compute_logits`, small_gemv; quantization.fp8)."""
         weight_q, scale = quantize_lm_head(self.lm_head, kind)
         self.lm_head_q = (weight_q, scale.view(1, -1).contiguous())
 
