@@ -42,7 +42,8 @@ from inflightllm.model_source import DEFAULT_MODEL, ModelSpec, load_tokenizer
 
 TEXT = Path(__file__).resolve().parent / "inputs" / "coriolanus.txt"
 # name -> (quantization, kv_cache_dtype, SmoothQuant alpha or None); a name ending in -lmh
-# adds model.fp8_lm_head (int8_lm_head with --lm-head-int8), its logits computed a row at a time (as one-token steps read them).
+# adds model.fp8_lm_head (int8_lm_head with --lm-head-int8), its logits computed a row at a
+# time (as one-token steps read them).
 VARIANTS = {"base": (None, "auto", None), "fp8": ("fp8", "auto", None), "fp8-kv": ("fp8", "fp8", None),
             "fp8-smooth": ("fp8", "auto", 0.5), "fp8-kv-smooth": ("fp8", "fp8", 0.5)}
 VARIANTS.update({f"{name}-lmh": value for name, value in VARIANTS.items()})  # base-lmh: --lm-head-int8 only

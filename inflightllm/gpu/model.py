@@ -340,7 +340,7 @@ class GpuLlama:
             out = torch.empty(x_q.shape[0], weight.shape[0], dtype=self.dtype, device=self.device)
             return ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight, layer[name + "_scale"].view(-1), bias)
         out = torch._scaled_mm(
-            x_q, layer[name].t(), scale_a=x_scale, scale_b=layer[name + "_scale"],
+            x_q, weight.t(), scale_a=x_scale, scale_b=layer[name + "_scale"],
             bias=bias if self.dtype == torch.bfloat16 else None, out_dtype=torch.bfloat16,
             use_fast_accum=self.fp8_fast_accum,
         )
@@ -587,10 +587,11 @@ def load_gpu_model(spec: ModelSpec, config, tp=None, device=None) -> LoadedModel
     head_kind = spec.lm_head_kind()  # refused before any weight is read
     if spec.fp8_lm_head:
         check_fp8_lm_head(spec, quantization == "fp8")
-    if head_kind == "int8" and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
+    tensor_parallel = tp is not None or getattr(config, "tensor_parallel_size", 1) > 1
+    if head_kind == "int8" and tensor_parallel:
         raise ValueError("model.int8_lm_head runs on one GPU for now: set engine.tensor_parallel_size to 1 "
                          "(or drop model.int8_lm_head)")
-    if quantization and (tp is not None or getattr(config, "tensor_parallel_size", 1) > 1):
+    if quantization and tensor_parallel:
         raise ValueError(
             "model.quantization fp8 (or an FP8 checkpoint) runs on one GPU for now: "
             "set engine.tensor_parallel_size to 1"

@@ -250,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
     # Ids from here up are never sampled (their logits are -inf): the tokenizer has no
     # such ids (models/loader.py `sampleable_vocab_size`). None: every id of the model.
     sampleable_vocab_size: int | None = None
-    # model.fp8_lm_head / int8_lm_head: (e4m3 or int8 [vocab, hidden], float32 scales [vocab]) of the LM head, read
-    # weight-only by steps of at most fp8.lm_head_q_max_rows rows (1 e4m3, 8 int8). None: off.
+    # model.fp8_lm_head / int8_lm_head: (e4m3 or int8 [vocab, hidden], float32 scales [vocab])
+    # of the LM head, read weight-only by steps of at most fp8.lm_head_q_max_rows rows (1 e4m3,
+    # 4 int8). None: off.
     lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch: LlamaArch):

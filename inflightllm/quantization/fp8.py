@@ -38,15 +38,15 @@ FP8_LM_HEAD_MAX_ROWS = 1
 # few rows of logits. Not 8: there small_gemv's FMAs bind and the bf16 head is as fast (one
 # H100, FP8 Llama-3-8B decode step at batch 2 / 4 / 8: -0.17 / -0.14..-0.37 / +0.16..+0.24 ms).
 INT8_LM_HEAD_MAX_ROWS = 4
+FP8_MAX = 448.0  # largest finite e4m3fn value
+# Floor of a scale: an all-zero row or channel gets this instead of 0 (no division by zero;
+# its values quantize to 0 either way).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def lm_head_q_max_rows(weight_q: torch.Tensor) -> int:
     """The most rows a step may have to read the LM head's 8-bit copy `weight_q`."""
     return INT8_LM_HEAD_MAX_ROWS if weight_q.dtype == torch.int8 else FP8_LM_HEAD_MAX_ROWS
-FP8_MAX = 448.0  # largest finite e4m3fn value
-# Floor of a scale: an all-zero row or channel gets this instead of 0 (no division by zero;
-# its values quantize to 0 either way).
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
