@@ -4,6 +4,7 @@ to the scalar kernels. Checked on CPU tensors: only strides and addresses matter
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inflightllm.gpu import ops
@@ -88,3 +89,22 @@ def test_silu_tma_setting_and_the_rows_it_takes(monkeypatch):
     assert not ops.silu_tma_fits(14336, torch.float32)  # 16-bit rows only
     assert not ops.silu_tma_fits(1540, torch.float16)  # not whole 16-byte chunks
     assert not ops.silu_tma_fits(60000, torch.bfloat16)  # 240,000 bytes: more than a block's shared memory
+
+
+def test_fp8_small_m_rows_default_range_and_refusals(monkeypatch):
+    """GpuLlama's FP8 GEMMs of up to ops.fp8_small_m_rows() rows take fp8_small_m_gemm:
+    FP8_SMALL_M_ROWS unless INFLIGHTLLM_FP8_SMALL_M_ROWS gives a whole number from 0 to the
+    kernel's 32; anything else is refused by name."""
+    monkeypatch.delenv(ops.FP8_SMALL_M_ENV, raising=False)
+    assert ops.fp8_small_m_rows() == ops.FP8_SMALL_M_ROWS == 16
+    for text, rows in (("0", 0), ("8", 8), ("32", 32)):
+        monkeypatch.setenv(ops.FP8_SMALL_M_ENV, text)
+        assert ops.fp8_small_m_rows() == rows
+    for text in ("33", "-1", "8.5", "on", ""):
+        monkeypatch.setenv(ops.FP8_SMALL_M_ENV, text)
+        with pytest.raises(ValueError, match=f"{ops.FP8_SMALL_M_ENV}=.*from 0 to 32"):
+            ops.fp8_small_m_rows()
+    # a GEMM past the kernel's rows or of a width not in steps of 64 is never given to it
+    assert not ops.fp8_small_m_ok(33, 4096, 0)
+    assert not ops.fp8_small_m_ok(8, 4100, 0)
+    assert not ops.fp8_small_m_ok(0, 4096, 0)

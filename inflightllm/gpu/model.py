@@ -96,7 +96,7 @@ class GpuLlama:
         self.fp8 = False  # True once the linears hold FP8 weights
         self.lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head
         self.fp8_fast_accum = os.environ.get(FP8_FAST_ACCUM_ENV, "0").strip() in ("1", "on", "true", "yes")
-        self.fp8_small_m = ops.fp8_small_m_enabled()  # INFLIGHTLLM_FP8_SMALL_M: off by default
+        self.fp8_small_m_rows = ops.fp8_small_m_rows()  # FP8 GEMMs up to this many rows: fp8_small_m_gemm
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -334,9 +334,9 @@ class GpuLlama:
                 bias: torch.Tensor | None) -> torch.Tensor:
         """x_q [M, K] e4m3 with scales [M, 1] times layer[name] [N, K] e4m3 with channel scales
         [1, N] -> [M, N] in the model's dtype (row-wise scaled GEMMs give bf16 out); a few rows
-        by ops.fp8_small_m_gemm where INFLIGHTLLM_FP8_SMALL_M is on."""
+        (up to fp8_small_m_rows) by ops.fp8_small_m_gemm."""
         weight = layer[name]
-        if self.fp8_small_m and ops.fp8_small_m_ok(x_q.shape[0], x_q.shape[1], self.device.index):
+        if x_q.shape[0] <= self.fp8_small_m_rows and ops.fp8_small_m_ok(x_q.shape[0], x_q.shape[1], self.device.index):
             out = torch.empty(x_q.shape[0], weight.shape[0], dtype=self.dtype, device=self.device)
             return ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight, layer[name + "_scale"].view(-1), bias)
         out = torch._scaled_mm(

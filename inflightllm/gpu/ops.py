@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inflightllm.env_settings import env_switch
+from inflightllm.env_settings import env_number, env_switch
 
 CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 KERNELS = (
@@ -536,14 +536,27 @@ def small_gemv(out, x, weight, bias, fused=None, weight_scale=None) -> torch.Ten
 # ---- FP8 GEMM for a few rows (fp8_small_m.cu) ----------------------------------------------
 FP8_SMALL_M_SOURCE = Path(__file__).with_name("fp8_small_m.cu")
 FP8_SMALL_M_MAX = 32  # tokens: 8 a token tile, at most 4 tiles
-FP8_SMALL_M_ENV = "INFLIGHTLLM_FP8_SMALL_M"
+# GpuLlama's default: up to 16 rows (two tiles) the kernel beats torch._scaled_mm; four tiles lose
+# (one H100, Llama-3-8B decode steps: 4.06 / 4.28 / 5.26 ms at 4 / 8 / 16 rows against 5.62 / 5.64 /
+# 5.77, 6.57 / 6.60 at 24 / 32 against 5.81 / 5.84; docs/CUDA-KERNELS.md, "FP8 GEMM for a few rows").
+FP8_SMALL_M_ROWS = 16
+FP8_SMALL_M_ENV = "INFLIGHTLLM_FP8_SMALL_M_ROWS"
 
 
-def fp8_small_m_enabled() -> bool:
-    """`INFLIGHTLLM_FP8_SMALL_M=on`: FP8 GEMMs of at most FP8_SMALL_M_MAX rows run
-    fp8_small_m_gemm instead of torch._scaled_mm. Off by default until an H100/H200 run has
-    measured it (docs/CUDA-KERNELS.md, "FP8 GEMM for a few rows")."""
-    return os.environ.get(FP8_SMALL_M_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+def fp8_small_m_rows() -> int:
+    """FP8 GEMMs of at most this many rows run fp8_small_m_gemm (where fp8_small_m_ok), larger
+    ones torch._scaled_mm: FP8_SMALL_M_ROWS, or `INFLIGHTLLM_FP8_SMALL_M_ROWS` (0 to
+    FP8_SMALL_M_MAX; 0: torch._scaled_mm for all) for measurements."""
+    rows = env_number(FP8_SMALL_M_ENV, FP8_SMALL_M_ROWS, 0, FP8_SMALL_M_MAX, "GEMM rows")
+    if rows != int(rows):
+        raise ValueError(f"{FP8_SMALL_M_ENV}={os.environ[FP8_SMALL_M_ENV]!r}: give GEMM rows, a whole number "
+                         f"from 0 to {FP8_SMALL_M_MAX}")
+    return int(rows)
+
+
+@functools.cache
+def _fp8_tensor_cores(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.cache
@@ -561,7 +574,7 @@ def _fp8_small_m_module(device: int):
 def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
     """Whether fp8_small_m_gemm takes `tokens` rows of `width` on GPU `device` (FP8 tensor
     cores: compute capability 8.9 and later; K in steps of 64)."""
-    return 0 < tokens <= FP8_SMALL_M_MAX and width % 64 == 0 and torch.cuda.get_device_capability(device) >= (8, 9)
+    return 0 < tokens <= FP8_SMALL_M_MAX and width % 64 == 0 and _fp8_tensor_cores(device)
 
 
 def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,

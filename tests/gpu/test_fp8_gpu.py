@@ -408,27 +408,30 @@ def test_fp8_small_m_gemm_matches_the_w8a8_reference(tokens, rows, width, dtype)
 
 
 def test_fp8_small_m_decode_steps_follow_scaled_mm():
-    """INFLIGHTLLM_FP8_SMALL_M: an FP8 engine's decode steps of 3-32 rows run fp8_small_m_gemm
-    (CUDA graphs on); the first decode step's greedy ids equal torch._scaled_mm's for 5 requests
-    (the same e4m3 products; one near tie may round apart), and generation runs to the end."""
+    """An FP8 engine's GEMMs of up to fp8_small_m_rows rows run fp8_small_m_gemm, CUDA graphs
+    on; the first decode step's greedy ids equal torch._scaled_mm's (INFLIGHTLLM_FP8_SMALL_M_ROWS
+    0) for 5 requests (the same e4m3 products; one near tie may round apart), and generation runs
+    to the end."""
     from inflightllm.gpu import ops
 
     if not ops.fp8_small_m_ok(8, 64, torch.cuda.current_device()):
         pytest.skip("FP8 tensor cores: compute capability 8.9 and later")
     spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8")
-    engine = Engine(spec, gpu_config(), sampler_seed=0)
-    prompts = make_prompts(5, engine.vocab_size, seed=7)
-    reference = run(engine, prompts, [12] * 5)
-    model = engine.loaded.model
     calls = []
     original = ops.fp8_small_m_gemm
-    model.fp8_small_m = True
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(ops, "fp8_small_m_gemm", lambda *args: calls.append(args[1].shape[0]) or original(*args))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "fp8_small_m_gemm", lambda *args: calls.append(args[1].shape[0]) or original(*args))
+        patch.setenv(ops.FP8_SMALL_M_ENV, "0")  # this engine's graphs capture torch._scaled_mm
+        engine = Engine(spec, gpu_config(), sampler_seed=0)
+        prompts = make_prompts(5, engine.vocab_size, seed=7)
+        reference = run(engine, prompts, [12] * 5)
+        assert not calls
+        model = engine.loaded.model
+        model.fp8_small_m_rows = ops.FP8_SMALL_M_MAX
+        try:
             results = run(fresh_engine(engine), prompts, [12] * 5)
-    finally:
-        model.fp8_small_m = False
+        finally:
+            model.fp8_small_m_rows = 0
     assert calls and set(calls) <= set(range(1, 33))
     assert all(len(r.token_ids) == 12 for r in results)
     # the prefill's token equal; the first decode step's in (nearly) all: a near tie may round apart
