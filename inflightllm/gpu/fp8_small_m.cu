@@ -13,15 +13,7 @@
 // accumulation, as cuBLASLt without fast accumulation. The 8 warps' sums meet in shared memory.
 // Requires K % 64 == 0, 16-byte aligned rows; N and M are bounded by clamping (extra rows and
 // tokens are computed from valid memory and not stored).
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-template <typename T> __device__ __forceinline__ T small_m_from_f(float v);
-template <> __device__ __forceinline__ __half small_m_from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 small_m_from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <typename T> __device__ __forceinline__ float small_m_to_f(T v);
-template <> __device__ __forceinline__ float small_m_to_f<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float small_m_to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+// to_f / from_f: gpu/pdl.cuh, prepended to this source when it is compiled (ops.py).
 
 __device__ __forceinline__ void mma_e4m3_16x8x32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                  unsigned b0, unsigned b1) {
@@ -102,8 +94,8 @@ __global__ void __launch_bounds__(32 * SMALL_M_WARPS) fp8_small_m_gemm(
         const int m = 8 * j + 2 * (l & 3) + (i & 1);
         if (n < N && m < M) {
             float value = sum * x_scale[m] * w_scale[n];
-            if (bias != nullptr) value += small_m_to_f<T>(bias[n]);
-            out[(long)m * N + n] = small_m_from_f<T>(value);
+            if (bias != nullptr) value += to_f<T>(bias[n]);
+            out[(long)m * N + n] = from_f<T>(value);
         }
     }
 }

@@ -6,20 +6,11 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-template <typename T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+// to_f<T> / from_f<T> (float <-> the storage type) and pdl_trigger() / pdl_wait(): gpu/pdl.cuh,
+// prepended to this source when it is compiled.
 
 // Round a float to T and back (the value torch would hold in a T tensor).
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f<T>(from_f<T>(v)); }
-
-// pdl_trigger() and pdl_wait(): gpu/pdl.cuh, prepended to this source when it is compiled.
 
 // Block-wide sum of one float per thread (blockDim.x a multiple of 32, at most 1024).
 __device__ __forceinline__ float block_sum(float value) {

@@ -288,8 +288,12 @@ def fp8_silu_tma() -> bool:
 
 
 @functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _hopper(device: int) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return _capability(device) >= (9, 0)
 
 
 def silu_tma_shared(width: int, dtype: torch.dtype) -> int:
@@ -555,17 +559,14 @@ def fp8_small_m_rows() -> int:
 
 
 @functools.cache
-def _fp8_tensor_cores(device: int) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-@functools.cache
 def _fp8_small_m_module(device: int):
     import cupy
 
+    from inflightllm.gpu.pdl import with_pdl
+
     names = [f"fp8_small_m_gemm<{ctype},{tiles}>" for ctype in ("__half", "__nv_bfloat16") for tiles in (1, 2, 4)]
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=FP8_SMALL_M_SOURCE.read_text(encoding="utf-8"), options=("-std=c++17",),
+        module = cupy.RawModule(code=with_pdl(FP8_SMALL_M_SOURCE.read_text(encoding="utf-8")), options=("-std=c++17",),
                                 name_expressions=names)
         module.compile()
     return module
@@ -574,7 +575,7 @@ def _fp8_small_m_module(device: int):
 def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
     """Whether fp8_small_m_gemm takes `tokens` rows of `width` on GPU `device` (FP8 tensor
     cores: compute capability 8.9 and later; K in steps of 64)."""
-    return 0 < tokens <= FP8_SMALL_M_MAX and width % 64 == 0 and _fp8_tensor_cores(device)
+    return 0 < tokens <= FP8_SMALL_M_MAX and width % 64 == 0 and _capability(device) >= (8, 9)
 
 
 def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,

@@ -1,6 +1,7 @@
-// Device side of programmatic dependent launch (inflightllm/gpu/pdl.py), prepended to
-// layers.cu, allreduce.cu and attention/cuda/kernels.cu when they are compiled (gpu/pdl.py,
-// `with_pdl`); with the system-scope flag accesses of the cross-GPU kernels.
+// Device side of programmatic dependent launch (inflightllm/gpu/pdl.py) and the device helpers
+// shared by our kernels, prepended to layers.cu, fp8_small_m.cu, allreduce.cu and
+// attention/cuda/kernels.cu when they are compiled (gpu/pdl.py, `with_pdl`); with the
+// system-scope flag accesses of the cross-GPU kernels.
 // pdl_trigger lets the next kernel's grid be scheduled once all of this grid's blocks run;
 // pdl_wait returns when the previous kernel has completed and its writes are visible. A kernel
 // that calls pdl_trigger calls pdl_wait before its first read of an earlier kernel's output
@@ -27,6 +28,18 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
     return value;
 }
+
+// float <-> the kernels' storage types (layers.cu, fp8_small_m.cu), rounding to nearest even.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // Hopper's asynchronous copies: an mbarrier that counts the bytes of cp.async.bulk (TMA)
 // copies from global into shared memory (paged_decode_v6, silu_and_mul_fp8_tma). sm_90 and
@@ -61,7 +74,6 @@ __device__ __forceinline__ void fence_proxy_async() { SM90_ASM("fence.proxy.asyn
 // activations (layers.cu): sm_89+ converts two values per instruction (cvt ... e4m3x2); older
 // GPUs take the same rounding (nearest even, saturating to +-448) by bit manipulation, so every
 // module compiles, and runs, on any GPU.
-#include <cuda_fp16.h>
 __device__ __forceinline__ unsigned int e4m3_from_float_sw(float x) {
     if (x != x) return 0x7fu;  // NaN
     const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80u;
