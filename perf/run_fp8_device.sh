@@ -6,7 +6,7 @@
 #
 # TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,smallm,rows)
 # change what runs (decode: batches 1, 2, 32, 256; lmhead: batch 1 with the e4m3 and the int8 LM head;
-# smallm: batches 1-32 with fp8_small_m_gemm up to 0, 16 (the default) and 32 rows);
+# smallm: batches 1-32 with fp8_small_m_gemm up to 0 and 32 (the default) rows);
 # V6_STAGES="3 4 2" adds the decode-attention kernel per ring depth (perf.bench_decode_attention),
 # GEMV_VARIANTS="- INFLIGHTLLM_FP8_GEMV_U=16 ..." the one-token kernels per variant (perf.bench_small_gemv;
 # "-": the defaults; several variables of a variant joined by commas).
@@ -43,9 +43,9 @@ case ",$SKIP," in *,decode,*|*,lmhead,*) ;; *)
 esac
 case ",$SKIP," in *,decode,*|*,smallm,*) ;; *)
   # FP8 GEMMs of a few rows on fp8_small_m_gemm up to INFLIGHTLLM_FP8_SMALL_M_ROWS rows, torch._scaled_mm past them
-  for setting in 0 16 32; do
+  for setting in 0 32; do
     step "decode_fp8_small_m_$setting" 200 env INFLIGHTLLM_FP8_SMALL_M_ROWS="$setting" "$PY" perf/bench_gpu.py --sections decode \
-      --batches 1,2,4,8,16,32 --no-transformers --quantization fp8 --int8-lm-head --gpu-memory-utilization 0.9 \
+      --batches 1,2,3,8,16,17,24,32 --no-transformers --quantization fp8 --int8-lm-head --gpu-memory-utilization 0.9 \
       --out "$OUT/decode_fp8_small_m_$setting.json"
   done ;;
 esac

@@ -37,9 +37,11 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_graph_buckets_are_powers_of_two_to_16_then_every_16():
-    assert graph_buckets(256) == [1, 2, 4, 8, 16] + list(range(32, 257, 16))
-    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+def test_graph_buckets_are_powers_of_two_to_16_then_24_then_every_16():
+    assert graph_buckets(256) == [1, 2, 4, 8, 16, 24] + list(range(32, 257, 16))
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(24) == [1, 2, 4, 8, 16, 24]
     assert graph_buckets(1) == [1]
 
 

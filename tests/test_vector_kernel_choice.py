@@ -91,12 +91,24 @@ def test_silu_tma_setting_and_the_rows_it_takes(monkeypatch):
     assert not ops.silu_tma_fits(60000, torch.bfloat16)  # 240,000 bytes: more than a block's shared memory
 
 
+def test_fp8_small_m_default_layouts_are_built_and_hold_their_rows():
+    """Each count of 8-row token tiles up to the kernel's 32 rows runs one of the instantiated
+    layouts (ops.FP8_SMALL_M_LAYOUTS: the module compiles exactly those), with room for its rows;
+    every layout names token tiles (1-4), channel tiles, blocks an SM (0-4) and chunks in flight."""
+    assert sorted(ops.FP8_SMALL_M_DEFAULT_LAYOUT) == [1, 2, 3, 4] == list(range(1, ops.FP8_SMALL_M_MAX // 8 + 1))
+    for tiles, layout in ops.FP8_SMALL_M_DEFAULT_LAYOUT.items():
+        assert layout in ops.FP8_SMALL_M_LAYOUTS and layout[0] >= tiles, (tiles, layout)
+    assert len(set(ops.FP8_SMALL_M_LAYOUTS)) == len(ops.FP8_SMALL_M_LAYOUTS)
+    for token_tiles, channel_tiles, min_blocks, chunks in ops.FP8_SMALL_M_LAYOUTS:
+        assert 1 <= token_tiles <= 4 and channel_tiles >= 1 and 0 <= min_blocks <= 4 and chunks >= 1
+
+
 def test_fp8_small_m_rows_default_range_and_refusals(monkeypatch):
     """GpuLlama's FP8 GEMMs of up to ops.fp8_small_m_rows() rows take fp8_small_m_gemm:
     FP8_SMALL_M_ROWS unless INFLIGHTLLM_FP8_SMALL_M_ROWS gives a whole number from 0 to the
     kernel's 32; anything else is refused by name."""
     monkeypatch.delenv(ops.FP8_SMALL_M_ENV, raising=False)
-    assert ops.fp8_small_m_rows() == ops.FP8_SMALL_M_ROWS == 16
+    assert ops.fp8_small_m_rows() == ops.FP8_SMALL_M_ROWS == 32
     for text, rows in (("0", 0), ("8", 8), ("32", 32)):
         monkeypatch.setenv(ops.FP8_SMALL_M_ENV, text)
         assert ops.fp8_small_m_rows() == rows

@@ -540,10 +540,10 @@ def small_gemv(out, x, weight, bias, fused=None, weight_scale=None) -> torch.Ten
 # ---- FP8 GEMM for a few rows (fp8_small_m.cu) ----------------------------------------------
 FP8_SMALL_M_SOURCE = Path(__file__).with_name("fp8_small_m.cu")
 FP8_SMALL_M_MAX = 32  # tokens: 8 a token tile, at most 4 tiles
-# GpuLlama's default: up to 16 rows (two tiles) the kernel beats torch._scaled_mm; four tiles lose
-# (one H100, Llama-3-8B decode steps: 4.06 / 4.28 / 5.26 ms at 4 / 8 / 16 rows against 5.62 / 5.64 /
-# 5.77, 6.57 / 6.60 at 24 / 32 against 5.81 / 5.84; docs/CUDA-KERNELS.md, "FP8 GEMM for a few rows").
-FP8_SMALL_M_ROWS = 16
+# GpuLlama's default: every GEMM of up to 32 rows (one H100, Llama-3-8B decode steps with the
+# layouts below: 4.03 / 4.22 / 4.55 / 5.51 / 5.54 ms at 3 / 8 / 16 / 24 / 32 rows against 5.66 / 5.65 /
+# 5.74 / 5.81 / 5.84 by torch._scaled_mm; docs/CUDA-KERNELS.md, "FP8 GEMM for a few rows").
+FP8_SMALL_M_ROWS = 32
 FP8_SMALL_M_ENV = "INFLIGHTLLM_FP8_SMALL_M_ROWS"
 
 
@@ -558,13 +558,23 @@ def fp8_small_m_rows() -> int:
     return int(rows)
 
 
+# (token tiles, channel tiles a block, resident blocks an SM (0: ptxas chooses), 64-k chunks a
+# warp has in flight) of the fp8_small_m_gemm instantiations, and the one that runs for each
+# count of 8-row token tiles: the fastest of perf/bench_fp8_small_m.py's on one H100 (2026-12-07;
+# the first, third and sixth were the defaults before, kept for that comparison)
+FP8_SMALL_M_LAYOUTS = ((1, 1, 0, 4), (1, 1, 3, 4), (2, 1, 0, 4), (2, 1, 3, 2), (3, 1, 0, 2), (4, 1, 0, 2),
+                       (4, 1, 2, 2))
+FP8_SMALL_M_DEFAULT_LAYOUT = {1: (1, 1, 3, 4), 2: (2, 1, 3, 2), 3: (3, 1, 0, 2), 4: (4, 1, 2, 2)}
+
+
 @functools.cache
 def _fp8_small_m_module(device: int):
     import cupy
 
     from inflightllm.gpu.pdl import with_pdl
 
-    names = [f"fp8_small_m_gemm<{ctype},{tiles}>" for ctype in ("__half", "__nv_bfloat16") for tiles in (1, 2, 4)]
+    names = [f"fp8_small_m_gemm<{ctype},{','.join(map(str, layout))}>" for ctype in ("__half", "__nv_bfloat16")
+             for layout in FP8_SMALL_M_LAYOUTS]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=with_pdl(FP8_SMALL_M_SOURCE.read_text(encoding="utf-8")), options=("-std=c++17",),
                                 name_expressions=names)
@@ -579,10 +589,13 @@ def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
 
 
 def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                     weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     layout: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """out [M, N] = (x_q [M, K] @ weight [N, K].T) * x_scale[:, None] * weight_scale[None, :]
     (+ bias), e4m3 inputs with float32 per-token and per-channel scales (quantization.fp8.linear's
-    numbers), for M <= FP8_SMALL_M_MAX; out bf16 or fp16. On CuPy's current stream (torch_stream)."""
+    numbers), for M <= FP8_SMALL_M_MAX; out bf16 or fp16. On CuPy's current stream (torch_stream).
+    `layout`: one of FP8_SMALL_M_LAYOUTS with room for M tokens (measurements); by default
+    FP8_SMALL_M_DEFAULT_LAYOUT's for the token tiles of M."""
     tokens, width = x_q.shape
     rows = weight.shape[0]
     device = x_q.device.index
@@ -599,10 +612,16 @@ def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor
     if bias is not None and (bias.dtype != out.dtype or bias.numel() != rows or not bias.is_contiguous()):
         raise ValueError(f"fp8_small_m_gemm: bias must be {rows} contiguous values of out's dtype")
     _check_rows(out=out, x_q=x_q, weight=weight)
-    tiles = 1 if tokens <= 8 else 2 if tokens <= 16 else 4
+    if layout is None:
+        layout = FP8_SMALL_M_DEFAULT_LAYOUT[-(-tokens // 8)]
+    elif tuple(layout) not in FP8_SMALL_M_LAYOUTS or 8 * layout[0] < tokens:
+        raise ValueError(f"fp8_small_m_gemm: layout {layout!r} for {tokens} rows: one of {FP8_SMALL_M_LAYOUTS} "
+                         "(token tiles, channel tiles, blocks an SM, chunks in flight) with 8 rows a token tile")
+    token_tiles, channel_tiles = layout[:2]
     with _cupy_device(device):
-        kernel = _fp8_small_m_module(device).get_function(f"fp8_small_m_gemm<{CUDA_TYPES[out.dtype]},{tiles}>")
-        kernel((-(-rows // 16),), (256,),
+        kernel = _fp8_small_m_module(device).get_function(
+            f"fp8_small_m_gemm<{CUDA_TYPES[out.dtype]},{','.join(map(str, layout))}>")
+        kernel((-(-rows // (16 * channel_tiles)),), (256,),
                (_ptr(out), _ptr(x_q), _ptr(x_scale), _ptr(weight), _ptr(weight_scale), _ptr_or_null(bias),
                 np.int32(tokens), np.int32(rows), np.int32(width)))
     return out

@@ -6,7 +6,7 @@ positions, slot mapping, block tables, context lengths, query offsets) are built
 those arrays with vectorised NumPy, with no per-sequence loop and no gathering of whole
 contexts, and copied into static device buffers. Decodes come first in the packed
 batch. A decode-only step of up to `max_batch_size` requests replays a CUDA graph
-captured for the smallest bucket that holds it (1, 2, 4, 8, 16, then every 16); other
+captured for the smallest bucket that holds it (1, 2, 4, 8, 16, 24, then every 16); other
 steps run eagerly. Sampling runs batched on the GPU with one host copy of the ids.
 
 The KV cache is sized after the weights are loaded and a step of the largest size (a
@@ -58,8 +58,9 @@ def cascade_group_buckets(max_batch_size: int) -> list[int]:
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, then every 16."""
-    buckets = [b for b in (1, 2, 4, 8, 16) if b < max_batch_size]
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 24, then every 16 (24: the FP8
+    GEMMs' 3-tile layout, ops.FP8_SMALL_M_DEFAULT_LAYOUT)."""
+    buckets = [b for b in (1, 2, 4, 8, 16, 24) if b < max_batch_size]
     size = 16
     while size + 16 < max_batch_size:
         size += 16

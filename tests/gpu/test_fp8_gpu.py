@@ -383,7 +383,8 @@ def test_fp8_lm_head_reads_e4m3_rows_in_one_token_steps():
 def test_fp8_small_m_gemm_matches_the_w8a8_reference(tokens, rows, width, dtype):
     """ops.fp8_small_m_gemm (mma.sync e4m3, 8 warps splitting K, float32 sums) against the
     products of the same e4m3 values in float32 (quantization.fp8.linear's numbers): one to four
-    token tiles, a partial last tile, a partial last block of channels (40 rows), a bias."""
+    token tiles, a partial last tile, a partial last block of channels (40 rows), a bias; the
+    default layout and every other one of FP8_SMALL_M_LAYOUTS with room for the rows."""
     from inflightllm.gpu import ops
 
     if not ops.fp8_small_m_ok(tokens, width, torch.cuda.current_device()):
@@ -392,15 +393,22 @@ def test_fp8_small_m_gemm_matches_the_w8a8_reference(tokens, rows, width, dtype)
     x_q, x_scale = quantize_per_token(torch.randn(tokens, width, device="cuda", dtype=dtype))
     weight_q, weight_scale = quantize_per_channel(torch.randn(rows, width, device="cuda") * 0.02)
     bias = torch.randn(rows, device="cuda", dtype=dtype)
-    out = torch.empty(tokens, rows, device="cuda", dtype=dtype)
-    with ops.torch_stream():
-        ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight_q, weight_scale, bias)
-    torch.cuda.synchronize()
     exact = (x_q.float() @ weight_q.float().t()) * x_scale * weight_scale[None, :] + bias.float()
-    error = float((out.float() - exact).norm() / exact.norm())
-    assert error < 2e-3, error
-    if dtype == torch.bfloat16:  # float32 sums in another order (and the tensor cores' own adds), rounded alike
-        assert float((out == exact.to(dtype)).float().mean()) >= 0.95
+    layouts = [None] + [layout for layout in ops.FP8_SMALL_M_LAYOUTS if 8 * layout[0] >= tokens]
+    for layout in layouts:
+        out = torch.full((tokens, rows), float("nan"), device="cuda", dtype=dtype)
+        with ops.torch_stream():
+            ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight_q, weight_scale, bias, layout=layout)
+        torch.cuda.synchronize()
+        error = float((out.float() - exact).norm() / exact.norm())
+        assert error < 2e-3, (layout, error)
+        if dtype == torch.bfloat16:  # float32 sums in another order (and the tensor cores' own adds), rounded alike
+            assert float((out == exact.to(dtype)).float().mean()) >= 0.95, layout
+    with pytest.raises(ValueError, match="layout .* one of"):
+        ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight_q, weight_scale, layout=(1, 3, 0, 4))
+    if tokens > 8:
+        with pytest.raises(ValueError, match=f"layout .* for {tokens} rows"):
+            ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight_q, weight_scale, layout=(1, 1, 0, 4))
     with pytest.raises(ValueError, match="at most 32 rows"):
         ops.fp8_small_m_gemm(torch.empty(33, rows, device="cuda", dtype=dtype),
                              torch.zeros(33, width, device="cuda").to(FP8_DTYPE),
