@@ -29,7 +29,8 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
     return value;
 }
 
-// float <-> the kernels' storage types (layers.cu, fp8_small_m.cu), rounding to nearest even.
+// float <-> the kernels' storage types (layers.cu, fp8_small_m.cu, attention/cuda/kernels.cu), rounding
+// to nearest even.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 template <typename T> __device__ __forceinline__ float to_f(T v);

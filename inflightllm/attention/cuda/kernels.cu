@@ -37,20 +37,7 @@ typedef unsigned int u32;
 __device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
 
 // ---------------------------------------------------------------------------------------------
-// Conversions
-template <typename T> struct Cvt;
-template <> struct Cvt<float> {
-    static __device__ __forceinline__ float to(float x) { return x; }
-    static __device__ __forceinline__ float from(float x) { return x; }
-};
-template <> struct Cvt<__half> {
-    static __device__ __forceinline__ float to(__half x) { return __half2float(x); }
-    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
-};
-template <> struct Cvt<__nv_bfloat16> {
-    static __device__ __forceinline__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
-    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
-};
+// Conversions: to_f<T> / from_f<T> (gpu/pdl.cuh, prepended to this source when it is compiled)
 
 // 16 bytes -> 16/sizeof(T) floats
 template <typename T> __device__ __forceinline__ void unpack16(const uint4& u, float* f);
@@ -214,8 +201,8 @@ __global__ void reshape_and_cache_fp8(const T* __restrict__ key, const T* __rest
             *reinterpret_cast<uint2*>(kd + h * head_dim + d) = make_uint2(kq[0] | (kq[1] << 16), kq[2] | (kq[3] << 16));
             *reinterpret_cast<uint2*>(vd + h * head_dim + d) = make_uint2(vq[0] | (vq[1] << 16), vq[2] | (vq[3] << 16));
         } else {
-            kd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(Cvt<T>::to(kp[h * k_shead + d]) / k_scale, 0.f);
-            vd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(Cvt<T>::to(vp[h * v_shead + d]) / v_scale, 0.f);
+            kd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(to_f<T>(kp[h * k_shead + d]) / k_scale, 0.f);
+            vd[h * head_dim + d] = (unsigned char)e4m3x2_from_float(to_f<T>(vp[h * v_shead + d]) / v_scale, 0.f);
         }
     }
 }
@@ -301,7 +288,7 @@ __device__ __forceinline__ void decode_empty_split(T* out, float* part_out, floa
                                                    int Z, int tid) {
     if (Z == 1) {
         for (int i = tid; i < ng * D; i += DEC_THREADS)
-            out[((i64)seq * num_heads + head0) * D + i] = Cvt<T>::from(0.f);
+            out[((i64)seq * num_heads + head0) * D + i] = from_f<T>(0.f);
         return;
     }
     for (int i = tid; i < ng * D; i += DEC_THREADS) {
@@ -521,7 +508,7 @@ paged_decode(const T* __restrict__ q, i64 q_stok, i64 q_shead,
         for (int w = 0; w < DEC_WARPS; ++w) v += s_buf[(w * MAXG + g) * D + d];
         const i64 hrow = (i64)seq * num_heads + head0 + g;
         if (direct) {
-            out[hrow * D + d] = Cvt<T>::from(v / s_l[g]);
+            out[hrow * D + d] = from_f<T>(v / s_l[g]);
         } else {
             part_out[(hrow * Z + split) * D + d] = v;
             if (d == 0) {
@@ -554,7 +541,7 @@ decode_reduce_v1(const float* __restrict__ part_out, const float* __restrict__ p
             acc = fmaf(w, part_out[(hrow * Z + i) * D + d], acc);
         }
     }
-    out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
+    out[hrow * D + d] = from_f<T>(L > 0.f ? acc / L : 0.f);
 }
 
 // The splits of paged_decode_v2 that hold tokens, shared with its decode_reduce: a context of n
@@ -649,7 +636,7 @@ decode_reduce(const float* __restrict__ part_out, const float* __restrict__ part
         if (i < active) acc = fmaf(s_w[i], po_first[i], acc);
 #pragma unroll 8
     for (int i = RED_PRE; i < active; ++i) acc = fmaf(s_w[i], po[(i64)i * D], acc);
-    out[hrow * D + d] = Cvt<T>::from(L > 0.f ? acc / L : 0.f);
+    out[hrow * D + d] = from_f<T>(L > 0.f ? acc / L : 0.f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -785,7 +772,7 @@ __device__ __forceinline__ void decode_merge_warps(const float* s_red, const flo
         if constexpr (SCALE) v *= v_scale;
         const i64 hrow = hrow0 + (i64)h * head_stride + g;
         if (direct) {
-            out[hrow * D + d] = Cvt<T>::from(v / L);
+            out[hrow * D + d] = from_f<T>(v / L);
         } else {
             part_out[(hrow * Z + split) * D + d] = v;
             if (d == 0) {
@@ -1072,7 +1059,7 @@ prefill_fma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
     for (int idx = tid; idx < PF_QT * D; idx += 128) {
         const int r = idx / D, d = idx - (idx / D) * D;
         float v = 0.f;
-        if (m0 + r < ql) v = Cvt<T>::to(q[(i64)(qs + m0 + r) * q_stok + (i64)head * q_shead + d]) * scale_log2;
+        if (m0 + r < ql) v = to_f<T>(q[(i64)(qs + m0 + r) * q_stok + (i64)head * q_shead + d]) * scale_log2;
         sQ[r][d] = v;
     }
     const int qpos_lo = first + m0;
@@ -1099,8 +1086,8 @@ prefill_fma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             if (pos < kend) {
                 const i64 slot = ((i64)bt[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
                 const i64 a = (slot * num_kv_heads + kvh) * D + d;
-                kv = Cvt<T>::to(key_cache[a]);
-                vv = Cvt<T>::to(value_cache[a]);
+                kv = to_f<T>(key_cache[a]);
+                vv = to_f<T>(value_cache[a]);
             }
             sK[j][d] = kv;
             sV[j][d] = vv;
@@ -1139,7 +1126,7 @@ prefill_fma(const T* __restrict__ q, i64 q_stok, i64 q_shead,
             const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
             T* op = out + ((i64)(qs + m0 + row) * num_heads + head) * D;
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) op[lane + 32 * i] = Cvt<T>::from(acc[r][i] * inv);
+            for (int i = 0; i < DPL; ++i) op[lane + 32 * i] = from_f<T>(acc[r][i] * inv);
         }
     }
 }
@@ -1593,7 +1580,7 @@ cascade_merge(const float* __restrict__ p_o, const float* __restrict__ p_m, cons
             }
         }
     }
-    out[((i64)d * num_heads + h) * D + t] = Cvt<T>::from(den > 0.f ? num / den : 0.f);
+    out[((i64)d * num_heads + h) * D + t] = from_f<T>(den > 0.f ? num / den : 0.f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2087,8 +2074,8 @@ __global__ void __launch_bounds__(V6_WARPS * 32, 2) paged_decode_v6(PAGED_DECODE
             const float f = l > 0.f ? v_scale / l : 0.f;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                out[hrow * D + gr * MT + mt] = Cvt<T>::from(o[mt][e] * f);
-                out[hrow * D + (gr + 8) * MT + mt] = Cvt<T>::from(o[mt][2 + e] * f);
+                out[hrow * D + gr * MT + mt] = from_f<T>(o[mt][e] * f);
+                out[hrow * D + (gr + 8) * MT + mt] = from_f<T>(o[mt][2 + e] * f);
             }
         } else {
             float* po = part_out + (hrow * Z + split) * D;
