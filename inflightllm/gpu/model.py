@@ -49,9 +49,6 @@ FP8_LINEARS = {
     "down": ("mlp.down_proj",),
 }
 SMALL_BATCH_MAX_TOKENS = 1
-# With FP8 weights 2-token steps take them too: there torch._scaled_mm's tiny-M GEMMs cost as much
-# as a large step's (one H100, Llama-3-8B decode step at batch 2: 4.26 ms against 5.70).
-SMALL_BATCH_MAX_TOKENS_FP8 = 2
 
 
 def small_batch_kernels_enabled(dtype: torch.dtype) -> bool:
@@ -117,8 +114,8 @@ class GpuLlama:
         self.small_batch_kernels = small_batch_kernels_enabled(dtype)
         # Steps of up to this many tokens take them; more rows make them compute-bound on CUDA
         # cores (16-bit weights, measured on the H200: faster than cuBLAS at 1 token, slower from
-        # 2; FP8 weights, one H100: faster at 2 than torch._scaled_mm, slower from 4).
-        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS_FP8 if quantization == "fp8" else SMALL_BATCH_MAX_TOKENS
+        # 2; FP8 weights, one H100: at 2 tokens 4.24 ms against 3.91 with fp8_small_m_gemm's GEMMs).
+        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
 
         def empty(*shape):
             return torch.empty(*shape, dtype=dtype, device=device)
