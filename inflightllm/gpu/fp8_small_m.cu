@@ -1,4 +1,4 @@
-// FP8 GEMM for a few rows of activations (decode steps of 3-32 tokens): out[m, n] =
+// FP8 GEMM for a few rows of activations (decode steps of 2-32 tokens): out[m, n] =
 // (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n]), e4m3 inputs with per-token and
 // per-channel scales: quantization.fp8.linear's numbers (W8A8), as torch._scaled_mm computes them,
 // for M <= 32. torch._scaled_mm's tiles are built for many rows: at 2-32 tokens a Llama-3-8B step
