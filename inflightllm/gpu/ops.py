@@ -582,6 +582,15 @@ def _fp8_small_m_module(device: int):
     return module
 
 
+@functools.cache
+def _fp8_small_m_kernel(dtype: torch.dtype, layout: tuple[int, int, int, int], device: int):
+    """fp8_small_m_gemm<dtype, layout> of the module on `device`, fetched once (eager steps
+    launch it for every GEMM)."""
+    with _cupy_device(device):
+        return _fp8_small_m_module(device).get_function(
+            f"fp8_small_m_gemm<{CUDA_TYPES[dtype]},{','.join(map(str, layout))}>")
+
+
 def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
     """Whether fp8_small_m_gemm takes `tokens` rows of `width` on GPU `device` (FP8 tensor
     cores: compute capability 8.9 and later; K in steps of 64)."""
@@ -617,10 +626,9 @@ def fp8_small_m_gemm(out: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor
     elif tuple(layout) not in FP8_SMALL_M_LAYOUTS or 8 * layout[0] < tokens:
         raise ValueError(f"fp8_small_m_gemm: layout {layout!r} for {tokens} rows: one of {FP8_SMALL_M_LAYOUTS} "
                          "(token tiles, channel tiles, blocks an SM, chunks in flight) with 8 rows a token tile")
-    token_tiles, channel_tiles = layout[:2]
+    channel_tiles = layout[1]
     with _cupy_device(device):
-        kernel = _fp8_small_m_module(device).get_function(
-            f"fp8_small_m_gemm<{CUDA_TYPES[out.dtype]},{','.join(map(str, layout))}>")
+        kernel = _fp8_small_m_kernel(out.dtype, tuple(layout), device)
         kernel((-(-rows // (16 * channel_tiles)),), (256,),
                (_ptr(out), _ptr(x_q), _ptr(x_scale), _ptr(weight), _ptr(weight_scale), _ptr_or_null(bias),
                 np.int32(tokens), np.int32(rows), np.int32(width)))
