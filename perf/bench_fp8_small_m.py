@@ -24,6 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from inflightllm.models.llama import LlamaArch  # noqa: E402
+from inflightllm.models.shapes import shape_config  # noqa: E402
+from perf.bench_gemm import layer_shapes  # noqa: E402
 from perf.bench_small_gemv import SHAPES, graph_us, weights  # noqa: E402
 
 KINDS = ("qkv", "o", "gate_up", "down")
@@ -63,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows_list or min(rows_list) < 1 or max(rows_list) > ops.FP8_SMALL_M_MAX:
         raise SystemExit(f"--rows: 1 to {ops.FP8_SMALL_M_MAX}")
     torch.manual_seed(0)
-    hidden, inter, heads, kv_heads, head_dim, _ = SHAPES[args.shape]
-    shapes = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
-              "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    arch = LlamaArch.from_config(shape_config(args.shape))
+    shapes = {kind: nk for kind, nk in layer_shapes(arch).items() if kind in KINDS}
     layers = [{kind: weights(n, k, True, torch.bfloat16) for kind, (n, k) in shapes.items()}
               for _ in range(args.layers)]
     records = []

@@ -567,14 +567,17 @@ FP8_SMALL_M_LAYOUTS = ((1, 1, 0, 4), (1, 1, 3, 4), (2, 1, 0, 4), (2, 1, 3, 2), (
 FP8_SMALL_M_DEFAULT_LAYOUT = {1: (1, 1, 3, 4), 2: (2, 1, 3, 2), 3: (3, 1, 0, 2), 4: (4, 1, 2, 2)}
 
 
+def _fp8_small_m_name(ctype: str, layout: tuple[int, int, int, int]) -> str:
+    return f"fp8_small_m_gemm<{ctype},{','.join(map(str, layout))}>"
+
+
 @functools.cache
 def _fp8_small_m_module(device: int):
     import cupy
 
     from inflightllm.gpu.pdl import with_pdl
 
-    names = [f"fp8_small_m_gemm<{ctype},{','.join(map(str, layout))}>" for ctype in ("__half", "__nv_bfloat16")
-             for layout in FP8_SMALL_M_LAYOUTS]
+    names = [_fp8_small_m_name(ctype, layout) for ctype in ("__half", "__nv_bfloat16") for layout in FP8_SMALL_M_LAYOUTS]
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=with_pdl(FP8_SMALL_M_SOURCE.read_text(encoding="utf-8")), options=("-std=c++17",),
                                 name_expressions=names)
@@ -587,8 +590,7 @@ def _fp8_small_m_kernel(dtype: torch.dtype, layout: tuple[int, int, int, int], d
     """fp8_small_m_gemm<dtype, layout> of the module on `device`, fetched once (eager steps
     launch it for every GEMM)."""
     with _cupy_device(device):
-        return _fp8_small_m_module(device).get_function(
-            f"fp8_small_m_gemm<{CUDA_TYPES[dtype]},{','.join(map(str, layout))}>")
+        return _fp8_small_m_module(device).get_function(_fp8_small_m_name(CUDA_TYPES[dtype], layout))
 
 
 def fp8_small_m_ok(tokens: int, width: int, device: int) -> bool:
