@@ -19,6 +19,10 @@ It also prints the whole step's GPU time by kernel (torch profiler), and checks 
 give the whole batch's hidden states.
 
     python3 -m perf.bench_overlap --batch 1024 --context 192 --layers 8 --out $OUT/bench_overlap.json
+
+`--fp8`: FP8 weights (quantized at load) and an FP8 KV cache, as the FP8 profiles run; the long
+rows of issue 26 (e.g. `--fp8 --batch 256 --context 3072`) spend most of a step in decode
+attention, where overlap has the most GEMM time to hide.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--carveouts", default="16,32", help="SM carve-outs to try for the two-stream run")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights and an FP8 KV cache")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -102,11 +107,18 @@ def main() -> None:
     torch.cuda.set_device(device)
     model = GpuLlama(arch, dtype, device, max_positions=args.context + 64)
     model.init_random(0)
-    attention = CudaPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, max_model_len=args.context + 64)
+    if args.fp8:
+        model.quantize_fp8()
+    attention = CudaPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, max_model_len=args.context + 64,
+                                   kv_cache_dtype="fp8" if args.fp8 else "auto")
     per_seq = -(-args.context // BLOCK_SIZE)
     attention.allocate_kv_cache(args.batch * per_seq, BLOCK_SIZE, arch.num_layers, arch.num_kv_heads,
                                 arch.head_dim, dtype, device)
-    attention.kv_cache.normal_(0.0, 1.0)
+    if args.fp8:  # e4m3 bytes of either sign up to 2^-1 (no NaN patterns)
+        attention.kv_cache.copy_(torch.randint(0, 0x30, attention.kv_cache.shape, dtype=torch.uint8, device=device)
+                                 | (torch.randint(0, 2, attention.kv_cache.shape, dtype=torch.uint8, device=device) << 7))
+    else:
+        attention.kv_cache.normal_(0.0, 1.0)
     sequences = [SequenceSlice(query_start=i, query_len=1, context_len=args.context,
                                block_table=tuple(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.batch)]
     md = attention.build_metadata(sequences, device)
@@ -156,7 +168,7 @@ def main() -> None:
     if carveout is not None:
         variants += [(f"halves, two streams, carve-out {n}", halves_two_streams, int(n))
                      for n in args.carveouts.split(",") if n]
-    report = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "batch": args.batch,
+    report = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "batch": args.batch, "fp8": args.fp8,
               "context": args.context, "layers": args.layers, "variants": {}}
     graphs = {}
     reference = None
