@@ -9,6 +9,11 @@ FP8 figures beside ours:
     128/2048 x 512       26,221
     2048/2048 x 256      12,194
 
+`--rows trtllm` runs the same four rows at the request counts TensorRT-LLM's overview itself
+used for them (its "Reproducing" section: 30,000 / 3,000 / 3,000 / 1,500, enough for a
+steady state where requests leave and join every step); the default counts above are
+issue 26's. Either way the JSON and the table say the counts.
+
 The engine is built from the profile with `--max-batch-size` / `--max-num-tokens`
 overrides (defaults 1,024 and 16,384, as the issue measured), and optionally
 `--quantization` / `--kv-cache-dtype` overrides, so that bf16 and fp8 of one profile
@@ -58,6 +63,9 @@ from inflightllm.sampling_params import SamplingParams
 from perf.bench_gpu import kernel_report, prompts_of, sync
 
 ROWS = "128/128x1024,2048/128x512,128/2048x512,2048/2048x256"
+# --rows trtllm: the four rows at the request counts of TensorRT-LLM's performance overview
+# (prepare_dataset.py --num-requests per ISL/OSL), all submitted at once as there.
+NAMED_ROWS = {"trtllm": "128/128x30000,2048/128x3000,128/2048x3000,2048/2048x1500"}
 # TensorRT-LLM's published H200 figures (FP8, its performance overview), output tok/s.
 PUBLISHED = {(128, 128): 27911, (2048, 128): 3538, (128, 2048): 26221, (2048, 2048): 12194}
 # (weights quantization, KV cache dtype): fp8-kv keeps bf16 weights with an FP8 KV cache.
@@ -73,14 +81,16 @@ SAMPLINGS = {
 
 
 def parse_rows(text: str) -> list[tuple[int, int, int]]:
+    """ISL/OSLxREQUESTS items, comma-separated, or a name of NAMED_ROWS."""
     rows = []
-    for item in text.split(","):
+    for item in NAMED_ROWS.get(text.strip(), text).split(","):
         try:
             lengths, count = item.strip().split("x")
             isl, osl = lengths.split("/")
             rows.append((int(isl), int(osl), int(count)))
         except ValueError:
-            raise SystemExit(f"--rows: {item!r} is not ISL/OSLxREQUESTS (e.g. 128/128x1024)") from None
+            raise SystemExit(f"--rows: {item!r} is not ISL/OSLxREQUESTS (e.g. 128/128x1024) or one of "
+                             f"{', '.join(NAMED_ROWS)}") from None
     return rows
 
 
@@ -223,7 +233,8 @@ def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, r
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True)
-    parser.add_argument("--rows", default=ROWS, help=f"comma-separated ISL/OSLxREQUESTS (default {ROWS})")
+    parser.add_argument("--rows", default=ROWS, help=f"comma-separated ISL/OSLxREQUESTS (default {ROWS}), or trtllm: "
+                             f"{NAMED_ROWS['trtllm']} (TensorRT-LLM's own counts)")
     parser.add_argument("--variants", default="profile",
                         help="comma-separated of profile (as written), " + ", ".join(VARIANTS))
     parser.add_argument("--max-batch-size", type=int, default=1024)

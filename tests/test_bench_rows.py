@@ -36,8 +36,15 @@ def test_rows_for_two_variants(tmp_path, capsys):
 
 
 def test_a_bad_row_is_named():
-    with pytest.raises(SystemExit, match="--rows: '128x128' is not ISL/OSLxREQUESTS"):
+    with pytest.raises(SystemExit, match="--rows: '128x128' is not ISL/OSLxREQUESTS .* or one of trtllm"):
         bench_rows.parse_rows("128/128x4,128x128")
+
+
+def test_trtllm_rows_are_the_published_rows_at_its_own_counts():
+    rows = bench_rows.parse_rows("trtllm")
+    assert rows == [(128, 128, 30000), (2048, 128, 3000), (128, 2048, 3000), (2048, 2048, 1500)]
+    assert {(isl, osl) for isl, osl, _ in rows} == set(bench_rows.PUBLISHED)
+    assert [(isl, osl) for isl, osl, _ in rows] == [(isl, osl) for isl, osl, _ in bench_rows.parse_rows(bench_rows.ROWS)]
 
 
 def test_capacity_policies_and_preemption_modes_in_one_run(tmp_path, capsys):
