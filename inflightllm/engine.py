@@ -230,6 +230,8 @@ class Engine:
         instead of building one for `loaded` (tests drive the engine with a stub model)."""
         self.model_spec = model_spec
         self.config = config
+        # What the runner's buffers and CUDA graphs are sized for: reconfigure may lower these.
+        self.built_limits = {"max_batch_size": config.max_batch_size, "max_num_tokens": config.max_num_tokens}
         if config.runner not in RUNNERS:
             raise ValueError(f"engine runner {config.runner!r} is not one of {', '.join(RUNNERS)}")
         if config.runner == "dummy" and (config.device != "cpu" or config.tensor_parallel_size != 1):
@@ -950,13 +952,23 @@ class Engine:
     def reconfigure(self, **changes) -> None:
         """Change scheduling settings of an idle engine (perf/bench_rows.py compares capacity
         policies and preemption modes on one loaded model): `capacity_policy`,
-        `kv_watermark`, `preemption_mode`, `swap_space_blocks`. The block manager and the
+        `kv_watermark`, `preemption_mode`, `swap_space_blocks`, and `max_batch_size` /
+        `max_num_tokens` up to what the engine was built with (`built_limits`: its buffers
+        and CUDA graphs), the token budget at least the batch. The block manager and the
         scheduler start afresh (an empty prefix cache, so variants compare fairly); the
         runner, its KV memory and the measured costs stay."""
-        allowed = ("capacity_policy", "kv_watermark", "preemption_mode", "swap_space_blocks")
+        allowed = ("capacity_policy", "kv_watermark", "preemption_mode", "swap_space_blocks", *self.built_limits)
         unknown = sorted(set(changes) - set(allowed))
         if unknown:
             raise ValueError(f"reconfigure: {', '.join(unknown)} cannot change; allowed: {', '.join(allowed)}")
+        for name, built in self.built_limits.items():
+            value = changes.get(name)
+            if value is not None and not (isinstance(value, int) and 1 <= value <= built):
+                raise ValueError(f"reconfigure: {name} {value!r}: allowed 1 to {built} (what the engine was built with)")
+        limits = {name: changes.get(name, getattr(self.config, name)) for name in self.built_limits}
+        if limits["max_num_tokens"] < limits["max_batch_size"]:
+            raise ValueError(f"reconfigure: max_num_tokens {limits['max_num_tokens']} is less than max_batch_size "
+                             f"{limits['max_batch_size']}; a step must hold a token of every running request")
         if self.has_unfinished() or self.requests:
             raise RuntimeError("reconfigure: the engine has unfinished requests; allowed only when idle")
         self.config = dataclasses.replace(self.config, **changes)

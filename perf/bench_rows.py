@@ -12,7 +12,11 @@ FP8 figures beside ours:
 `--rows trtllm` runs the same four rows at the request counts TensorRT-LLM's overview itself
 used for them (its "Reproducing" section: 30,000 / 3,000 / 3,000 / 1,500, enough for a
 steady state where requests leave and join every step); the default counts above are
-issue 26's. Either way the JSON and the table say the counts.
+issue 26's. `--settings trtllm` gives each row the max batch size and token budget that
+`trtllm-bench` derives for it (`trtllm_settings`: from the requests the KV cache holds at
+ISL + OSL, capped at 4,096, the budget from the batch and ISL/OSL), where `fixed` (the
+default) runs every row at `--max-batch-size` / `--max-num-tokens`. The JSON and the table
+say the counts and the settings of every row.
 
 The engine is built from the profile with `--max-batch-size` / `--max-num-tokens`
 overrides (defaults 1,024 and 16,384, as the issue measured), and optionally
@@ -49,6 +53,7 @@ import gc
 import itertools
 import json
 import logging
+import math
 import platform
 import time
 from pathlib import Path
@@ -115,6 +120,29 @@ def parse_list(text: str | None, option: str, allowed: tuple | None = None, kind
     return values
 
 
+def trtllm_settings(kv_tokens: int, isl: int, osl: int) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) for a row as trtllm-bench picks them (one GPU, no
+    pipeline stages): the requests of ISL + OSL tokens the KV cache holds, at most 4,096,
+    rounded up to a multiple of 32 (at least 64) under 256, of 128 under 1,024, else of 256;
+    the budget that batch x (1 + ISL/OSL), at most 32,768, rounded up to a multiple of 256
+    (at least 2,048) under 4,096, of 512 under 8,192, else of 1,024."""
+    requests = min(kv_tokens / (isl + osl), 4096)
+    tokens = min(requests * (1 + isl / osl), 32768)
+    if requests < 256:
+        batch = max(64, 32 * math.ceil(requests / 32))
+    elif requests < 1024:
+        batch = 128 * math.ceil(requests / 128)
+    else:
+        batch = 256 * math.ceil(requests / 256)
+    if tokens < 4096:
+        budget = max(2048, 256 * math.ceil(tokens / 256))
+    elif tokens < 8192:
+        budget = 512 * math.ceil(tokens / 512)
+    else:
+        budget = 1024 * math.ceil(tokens / 1024)
+    return batch, budget
+
+
 def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int, sampling: str = "greedy") -> dict:
     # Each sampling gets prompts of its own: no prefix-cache hit from the sampling before it.
     offset = list(SAMPLINGS).index(sampling) * 1000
@@ -143,6 +171,7 @@ def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int, sampling: 
         "swapped_out_bytes": after.swapped_out_bytes_total - before.swapped_out_bytes_total,
         "swapped_in_bytes": after.swapped_in_bytes_total - before.swapped_in_bytes_total,
         "steps": after.num_steps_total - before.num_steps_total,
+        "max_batch_size": engine.config.max_batch_size, "max_num_tokens": engine.config.max_num_tokens,
     }
     published = PUBLISHED.get((isl, osl))
     if published:
@@ -205,7 +234,12 @@ def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, r
              if stats.host_link_bytes_per_second else None,
              "longest_request": longest, "rows": []}
     print(json.dumps({k: v for k, v in entry.items() if k != "rows"} | {"variant": name}), flush=True)
+    built = engine.built_limits
     for isl, osl, count in rows:
+        if args.settings == "trtllm":  # this row's own limits, within what the engine was built for
+            batch, budget = trtllm_settings(stats.num_blocks_total * config.block_size, isl, osl)
+            batch = min(batch, built["max_batch_size"])
+            engine.reconfigure(max_batch_size=batch, max_num_tokens=max(batch, min(budget, built["max_num_tokens"])))
         greedy = None
         for sampling in samplings:
             row = run_row(engine, llm, isl, osl, count, sampling)
@@ -220,7 +254,8 @@ def run_variant(args, report: dict, name: str, engine: Engine, llm: LLM, spec, r
                   f"({row['seconds']:.1f} s, {row['preemptions']} preemptions ({row['swap_preemptions']} swapped), "
                   f"{row['recomputed_tokens']} recomputed tokens ({row['recomputed_pct_of_generated']:.1f}% of "
                   f"generated), {row['swapped_out_blocks']}/{row['swapped_in_blocks']} blocks swapped out/in "
-                  f"({(row['swapped_out_bytes'] + row['swapped_in_bytes']) / 2**20:.1f} MiB), {row['steps']} steps)"
+                  f"({(row['swapped_out_bytes'] + row['swapped_in_bytes']) / 2**20:.1f} MiB), {row['steps']} steps, "
+                  f"max batch {row['max_batch_size']}, {row['max_num_tokens']} tokens a step)"
                   + (f"  {row['ratio_to_greedy']:.2f}x greedy" if "ratio_to_greedy" in row else "")
                   + (f"  {row['vs_published']:.2f}x TensorRT-LLM's {row['trtllm_published_fp8']}"
                      if "vs_published" in row and sampling == "greedy" else ""), flush=True)
@@ -237,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"{NAMED_ROWS['trtllm']} (TensorRT-LLM's own counts)")
     parser.add_argument("--variants", default="profile",
                         help="comma-separated of profile (as written), " + ", ".join(VARIANTS))
-    parser.add_argument("--max-batch-size", type=int, default=1024)
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="fixed: every row's (default 1,024); trtllm: the most any row gets (default 4,096)")
+    parser.add_argument("--settings", choices=("fixed", "trtllm"), default="fixed",
+                        help="fixed: every row at --max-batch-size / --max-num-tokens; trtllm: each row at "
+                             "trtllm-bench's limits for it (trtllm_settings), within those")
     parser.add_argument("--max-num-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--capacity-policy", default=None,
@@ -264,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     # Greedy first: the others print their throughput as a ratio to it.
     samplings = sorted(set(parse_list(args.sampling, "--sampling", tuple(SAMPLINGS))), key=list(SAMPLINGS).index)
     longest = max(isl + osl for isl, osl, _ in rows)
-    report = {"profile": args.profile, "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "variants": {}}
+    report = {"profile": args.profile, "settings": args.settings, "date": time.strftime("%Y-%m-%d"),
+              "host": platform.node(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "variants": {}}
     for variant in args.variants.split(","):
         spec, config = profile.model, profile.engine
         if variant != "profile":
@@ -274,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             quantization, kv = VARIANTS[variant]
             spec = dataclasses.replace(spec, quantization=quantization)
             config = dataclasses.replace(config, kv_cache_dtype=kv)
-        overrides = dict(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_batch_size = args.max_batch_size or (4096 if args.settings == "trtllm" else 1024)
+        overrides = dict(max_batch_size=max_batch_size, max_num_tokens=args.max_num_tokens,
                          max_input_length=max(config.max_input_length, max(r[0] for r in rows)),
                          max_output_len=max(config.max_output_len, max(r[1] for r in rows)))
         if args.gpu_memory_utilization is not None:

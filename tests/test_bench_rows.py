@@ -35,6 +35,40 @@ def test_rows_for_two_variants(tmp_path, capsys):
     assert "16/8" in capsys.readouterr().out
 
 
+def test_trtllm_settings_follow_trtllm_bench():
+    # The H200's FP8 cache (1,852,544 tokens) on the four rows: 7,236 / 851 / 851 / 452 requests fit.
+    kv = 1852544
+    assert bench_rows.trtllm_settings(kv, 128, 128) == (4096, 8192)
+    assert bench_rows.trtllm_settings(kv, 2048, 128) == (896, 15360)
+    assert bench_rows.trtllm_settings(kv, 128, 2048) == (896, 2048)
+    assert bench_rows.trtllm_settings(kv, 2048, 2048) == (512, 2048)
+    assert bench_rows.trtllm_settings(1000, 16, 8) == (64, 2048)  # the floors
+    assert bench_rows.trtllm_settings(10**9, 16, 16) == (4096, 8192)  # 4,096 requests at most
+    assert bench_rows.trtllm_settings(10**9, 30000, 10) == (4096, 32768)  # 32,768 tokens at most
+
+
+def test_rows_at_trtllm_settings_within_the_built_limits(tmp_path, capsys):
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    out = tmp_path / "rows.json"
+    assert bench_rows.main(["--profile", str(profile), "--rows", "16/8x6,48/16x3", "--variants", "bf16",
+                            "--settings", "trtllm", "--max-batch-size", "512", "--max-num-tokens", "4096",
+                            "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"] == "trtllm"
+    entry = report["variants"]["bf16"]
+    kv_tokens = entry["kv_blocks"] * entry["block_size"]
+    for row in entry["rows"]:
+        batch, budget = bench_rows.trtllm_settings(kv_tokens, row["isl"], row["osl"])
+        assert row["max_batch_size"] == min(batch, 512)
+        assert row["max_num_tokens"] == max(row["max_batch_size"], min(budget, 4096))
+        assert row["output_tok_s"] > 0
+    # 16,384 cache tokens: 682 requests of 24 tokens (768, over the built 512), 256 of 64
+    assert kv_tokens == 16384
+    assert [row["max_batch_size"] for row in entry["rows"]] == [512, 256]
+    assert "max batch" in capsys.readouterr().out
+
+
 def test_a_bad_row_is_named():
     with pytest.raises(SystemExit, match="--rows: '128x128' is not ISL/OSLxREQUESTS .* or one of trtllm"):
         bench_rows.parse_rows("128/128x4,128x128")

@@ -109,3 +109,32 @@ def test_reconfigure_an_idle_engine_between_policies():
     engine.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="unfinished requests; allowed only when idle"):
         engine.reconfigure(kv_watermark=0.1)
+
+
+def test_reconfigure_lowers_the_batch_and_token_limits_up_to_the_built_ones():
+    # perf/bench_rows.py --settings trtllm: one engine built for the largest row's limits,
+    # each row run under its own.
+    engine = stub_engine(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=64)
+    wide = drive(engine, PROMPTS, 6)
+    engine.reconfigure(max_batch_size=2, max_num_tokens=8)
+    assert (engine.config.max_batch_size, engine.config.max_num_tokens) == (2, 8)
+    batches, tokens = [], []
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=6))
+    received: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        batches.append(len(engine.scheduler.running))
+        tokens.append(engine.stats().num_tokens_last_step)
+        for output in outputs:
+            received.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert received == wide
+    assert max(batches) == 2 and max(tokens) == 8
+    engine.reconfigure(max_batch_size=8, max_num_tokens=64)  # back up to the built limits
+    assert drive(engine, PROMPTS, 6) == wide
+    with pytest.raises(ValueError, match=r"reconfigure: max_batch_size 9: allowed 1 to 8 \(what the engine was built"):
+        engine.reconfigure(max_batch_size=9)
+    with pytest.raises(ValueError, match="reconfigure: max_num_tokens 0: allowed 1 to 64"):
+        engine.reconfigure(max_num_tokens=0)
+    with pytest.raises(ValueError, match="max_num_tokens 4 is less than max_batch_size 8"):
+        engine.reconfigure(max_num_tokens=4)
