@@ -4,6 +4,7 @@
 #
 #   OUT=$OUT bash perf/run_fp8_device.sh      # carry build/bundle/part1 (make bundle) in the same call
 #
+# ROWS_ARGS adds options to perf.bench_rows (e.g. "--settings trtllm"), ROWS_LIMIT its seconds (420).
 # TESTS, ROWS, VARIANTS, PPL_VARIANTS and SKIP (comma-separated of tests,ppl,decode,lmhead,smallm,rows)
 # change what runs (decode: batches 1, 2, 32, 256; lmhead: batch 1 with the e4m3 and the int8 LM head;
 # smallm: batches 1-32 with fp8_small_m_gemm up to 0 and 32 (the default) rows);
@@ -50,8 +51,9 @@ case ",$SKIP," in *,decode,*|*,smallm,*) ;; *)
   done ;;
 esac
 case ",$SKIP," in *,rows,*) ;; *)
-  step bench_rows 420 "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \
-    --rows "$ROWS" --out "$OUT/bench_rows.json" ;;
+  # shellcheck disable=SC2086
+  step bench_rows "${ROWS_LIMIT:-420}" "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml --variants "$VARIANTS" \
+    --rows "$ROWS" ${ROWS_ARGS:-} --out "$OUT/bench_rows.json" ;;
 esac
 for stages in ${V6_STAGES:-}; do
   step "decode_attention_v6_stages_$stages" 90 env INFLIGHTLLM_DECODE_V6_STAGES="$stages" "$PY" -m perf.bench_decode_attention \
