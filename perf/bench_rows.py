@@ -124,23 +124,18 @@ def trtllm_settings(kv_tokens: int, isl: int, osl: int) -> tuple[int, int]:
     """(max_batch_size, max_num_tokens) for a row as trtllm-bench picks them (one GPU, no
     pipeline stages): the requests of ISL + OSL tokens the KV cache holds, at most 4,096,
     rounded up to a multiple of 32 (at least 64) under 256, of 128 under 1,024, else of 256;
-    the budget that batch x (1 + ISL/OSL), at most 32,768, rounded up to a multiple of 256
+    the budget those requests x (1 + ISL/OSL), at most 32,768, rounded up to a multiple of 256
     (at least 2,048) under 4,096, of 512 under 8,192, else of 1,024."""
     requests = min(kv_tokens / (isl + osl), 4096)
     tokens = min(requests * (1 + isl / osl), 32768)
-    if requests < 256:
-        batch = max(64, 32 * math.ceil(requests / 32))
-    elif requests < 1024:
-        batch = 128 * math.ceil(requests / 128)
-    else:
-        batch = 256 * math.ceil(requests / 256)
-    if tokens < 4096:
-        budget = max(2048, 256 * math.ceil(tokens / 256))
-    elif tokens < 8192:
-        budget = 512 * math.ceil(tokens / 512)
-    else:
-        budget = 1024 * math.ceil(tokens / 1024)
-    return batch, budget
+    batch = _round_up(requests, 64, ((256, 32), (1024, 128), (math.inf, 256)))
+    return batch, _round_up(tokens, 2048, ((4096, 256), (8192, 512), (math.inf, 1024)))
+
+
+def _round_up(value: float, least: int, rungs: tuple[tuple[float, int], ...]) -> int:
+    """`value` rounded up to a multiple of the first rung's step whose bound it is under, at least `least`."""
+    step = next(step for bound, step in rungs if value < bound)
+    return max(least, step * math.ceil(value / step))
 
 
 def run_row(engine: Engine, llm: LLM, isl: int, osl: int, count: int, sampling: str = "greedy") -> dict:
