@@ -60,13 +60,16 @@ def test_host_link_of_a_cpu_cache():
     assert link.bytes_per_second > 0
 
 
-def drive(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+def drive(engine, prompts: list[list[int]], max_tokens: int, after_step=None) -> dict[str, list[int]]:
+    """Each prompt's tokens, the engine stepped until done; `after_step(engine)` after every step."""
     received: dict[str, list[int]] = {}
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens))
     while engine.has_unfinished():
         for output in engine.step():
             received.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if after_step:
+            after_step(engine)
     return received
 
 
@@ -119,16 +122,12 @@ def test_reconfigure_lowers_the_batch_and_token_limits_up_to_the_built_ones():
     engine.reconfigure(max_batch_size=2, max_num_tokens=8)
     assert (engine.config.max_batch_size, engine.config.max_num_tokens) == (2, 8)
     batches, tokens = [], []
-    for index, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=6))
-    received: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        outputs = engine.step()
+
+    def record(engine):
         batches.append(len(engine.scheduler.running))
         tokens.append(engine.stats().num_tokens_last_step)
-        for output in outputs:
-            received.setdefault(output.request_id, []).extend(output.new_token_ids)
-    assert received == wide
+
+    assert drive(engine, PROMPTS, 6, after_step=record) == wide
     assert max(batches) == 2 and max(tokens) == 8
     engine.reconfigure(max_batch_size=8, max_num_tokens=64)  # back up to the built limits
     assert drive(engine, PROMPTS, 6) == wide
