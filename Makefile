@@ -138,7 +138,8 @@ bench: install
 # 128/2048 x 512, 2048/2048 x 256) for any profile (perf/bench_rows.py; `make bench` runs it
 # for GPU profiles). ROWS_ARGS="--variants bf16,fp8" compares the profile in bf16 and FP8 in
 # one run; ROWS_ARGS="--rows trtllm --settings trtllm" runs the rows at TensorRT-LLM's own request
-# counts (30,000 / 3,000 / 3,000 / 1,500) and trtllm-bench's batch and token limits; a CPU profile takes small rows: ROWS_ARGS="--rows 16/8x8 --max-batch-size 8".
+# counts (30,000 / 3,000 / 3,000 / 1,500) and trtllm-bench's batch and token limits; a CPU profile
+# takes small rows: ROWS_ARGS="--rows 16/8x8 --max-batch-size 8".
 # KV pressure (docs/KV-PRESSURE.md), comma lists compared in one run on one loaded engine:
 #   CAPACITY_POLICY=max_utilization,guaranteed_no_evict PREEMPTION_MODE=recompute,swap,auto
 #   KV_WATERMARK=0,0.01 SAMPLING=greedy,sampled,sampled-penalty (ratios to greedy printed)
