@@ -9,12 +9,20 @@ M, the median time of `torch._scaled_mm` on e4m3 operands under each recipe of `
 - `tensor`: one scale for the activations and one for the weights (TensorRT-LLM's and vLLM's
   default FP8 recipe), bf16 out;
 - `tensor-fast`: the same with `use_fast_accum`;
+- `row-t`: `row` computed transposed, out^T = W x^T (the weights as the first operand, [N, M]
+  out): cuBLASLt tiles the weights' N as its M, which changes its tile count at a few hundred rows;
 - `bf16`: `F.linear` on the bf16 weights (the baseline).
+
+`--copies N` rotates N sets of operands from call to call, so that a layer's weights come from
+DRAM as in a step of 32 layers rather than from L2 (the 8B shape's qkv and o weights fit the
+H100's 50 MB of L2). Each line gives the weights' bytes over the time (`weight_gb_s`): at a few
+hundred rows the GEMMs are bound by those bytes as much as by their operations.
 
 It prints one JSON line per (layer, M, recipe) and, per M and recipe, the four layers together
 (ms and TFLOP/s), so that a recipe's gain on a whole layer's GEMMs reads directly:
 
     python3 -m perf.bench_fp8_gemm --rows 1024,4096,16384 --recipes row,row-fast,tensor,bf16
+    python3 -m perf.bench_fp8_gemm --rows 128,256,512,1024 --recipes row,row-t --copies 8
 """
 
 from __future__ import annotations
@@ -29,11 +37,20 @@ from inflightllm.models.llama import LlamaArch
 from inflightllm.models.shapes import shape_config
 from perf.bench_gemm import layer_shapes, time_ms
 
-RECIPES = ("row", "row-fast", "tensor", "tensor-fast", "bf16")
+RECIPES = ("row", "row-fast", "row-t", "tensor", "tensor-fast", "bf16")
 
 
-def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda"):
-    """A closure running one [m, k] x [k, n] product of `recipe` on random operands."""
+def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda", copies: int = 1):
+    """A closure running one [m, k] x [k, n] product of `recipe` on random operands, each call on
+    the next of `copies` sets of them."""
+    calls = [_one_gemm(recipe, m, n, k, dev) for _ in range(max(1, copies))]
+    if len(calls) == 1:
+        return calls[0]
+    turn = iter(range(1 << 62))
+    return lambda: calls[next(turn) % len(calls)]()
+
+
+def _one_gemm(recipe: str, m: int, n: int, k: int, dev: str):
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     if recipe == "bf16":
@@ -48,6 +65,9 @@ def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda"):
         sa = (x.abs().amax().float() / 448.0).reshape(())
         sb = (w.abs().amax().float() / 448.0).reshape(())
         xq, wq = (x / sa).to(e4m3), (w / sb).to(e4m3)
+    if recipe == "row-t":  # [n, k] x [k, m] (x^T column-major), scales [n, 1] and [1, m]
+        sw, sx, xt = sb.t().contiguous(), sa.t().contiguous(), xq.t()
+        return lambda: torch._scaled_mm(wq, xt, scale_a=sw, scale_b=sx, out_dtype=torch.bfloat16)
     wt = wq.t()  # [k, n], column-major: the layout _scaled_mm wants for its second operand
     return lambda: torch._scaled_mm(xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
@@ -57,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--rows", default="1024,4096,16384")
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--copies", type=int, default=1, help="sets of operands rotated call to call (L2)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm needs a CUDA GPU")
@@ -73,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             total_ms = total_flop = 0.0
             for name, (n, k) in shapes.items():
-                ms = time_ms(gemm_fn(recipe, m, n, k), iters=30)
+                ms = time_ms(gemm_fn(recipe, m, n, k, copies=args.copies), iters=30)
                 flop = 2.0 * m * n * k
                 total_ms += ms
                 total_flop += flop
                 print(json.dumps({"layer": name, "rows": m, "recipe": recipe, "ms": round(ms, 4),
-                                  "tflop_s": round(flop / ms / 1e9, 1)}), flush=True)
+                                  "tflop_s": round(flop / ms / 1e9, 1),
+                                  "weight_gb_s": round(n * k * (2 if recipe == "bf16" else 1) / ms / 1e6, 1)}),
+                      flush=True)
                 torch.cuda.empty_cache()
             totals[recipe] = total_ms
             print(json.dumps({"layer": "all four", "rows": m, "recipe": recipe, "ms": round(total_ms, 4),

@@ -42,3 +42,21 @@ def test_bench_gemm_names_its_variants_when_given_an_unknown_one():
     )
     assert result.returncode == 2
     assert "--variants: unknown ['fp8']; allowed: lt, wt" in result.stderr
+
+
+def test_bench_fp8_gemm_transposed_recipe_computes_the_same_product():
+    # row-t is `row` as out^T = W x^T: the same e4m3 operands and scales, so the same numbers.
+    from perf.bench_fp8_gemm import _one_gemm, gemm_fn
+
+    torch.manual_seed(3)
+    row = _one_gemm("row", 48, 80, 96, "cpu")()
+    torch.manual_seed(3)
+    transposed = _one_gemm("row-t", 48, 80, 96, "cpu")()
+    assert transposed.shape == (80, 48)
+    assert torch.equal(row, transposed.t())
+    assert row.abs().max() > 0
+    # --copies: each call takes the next set of operands, round and round.
+    torch.manual_seed(4)
+    rotating = gemm_fn("row", 16, 32, 64, "cpu", copies=3)
+    outs = [rotating() for _ in range(4)]
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
