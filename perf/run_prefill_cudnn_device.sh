@@ -6,8 +6,10 @@
 # (INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN=0), then the GPU tests that take the dense path.
 #
 #   OUT=$OUT bash perf/run_prefill_cudnn_device.sh                   # carry build/bundle/part1
+#   OUT=$OUT SKIP=probe,layer MIN_LENS=default PADS="256 0" bash perf/run_prefill_cudnn_device.sh
 #
-# SHAPES (probe), ROWS (bench rows, fp8), MIN_LENS (thresholds to bench; "default" = unset),
+# SHAPES (probe), ROWS (bench rows, fp8), MIN_LENS (thresholds to bench; "default" = unset), PADS
+# (INFLIGHTLLM_PREFILL_CUDNN_PAD values to bench after them: unaligned whole prompts padded for cuDNN),
 # TESTS_K (pytest -k over the three test files), PROFILE_STEPS (bench rows' profiler windows),
 # SKIP (comma-separated of probe,layer,rows,tests).
 set -u
@@ -36,6 +38,12 @@ case ",$SKIP," in *,rows,*) ;; *)
     step "rows_min$min_len" 240 env $settings "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml \
       --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" --out "$OUT/rows_min$min_len.json"
     grep -E 'output tok/s|profile of|^   ' "$OUT/rows_min$min_len.log" | sed "s/^/  [min len $min_len] /" >> "$SUMMARY"
+  done
+  for pad in ${PADS:-}; do
+    step "rows_pad$pad" 240 env "INFLIGHTLLM_PREFILL_CUDNN_PAD=$pad" "$PY" -m perf.bench_rows \
+      --profile profiles/llama3-8b-h200.yaml --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" \
+      --out "$OUT/rows_pad$pad.json"
+    grep -E 'output tok/s|padded lengths|profile of|^   ' "$OUT/rows_pad$pad.log" | sed "s/^/  [pad $pad] /" >> "$SUMMARY"
   done ;;
 esac
 case ",$SKIP," in *,tests,*) ;; *)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from inflightllm.attention.base import SequenceSlice
 from inflightllm.attention.cuda import backend
@@ -32,6 +33,18 @@ def test_lengths_off_the_alignment_stay_varlen():
     assert plan_prefill_segments(q, q, 512, align=1) == [(0, 2, 2048), (2, 1, 2100), (3, 1, 700), (4, 1, 640)]
 
 
+def test_unaligned_whole_prompts_are_padded_alone_when_asked():
+    q = [2048, 2048, 1920, 1900, 700, 640, 640, 333, 400]
+    c = [2048, 2048, 1920, 1900, 700, 640, 640, 900, 400]
+    assert plan_prefill_segments(q, c, 512, pad=128) == [
+        (0, 2, 2048), (2, 1, 1920), (3, 1, 1920), (4, 1, 768), (5, 2, 640), (7, 2, 0)]
+    # padded runs of one never merge, not even with an equal neighbour or with each other
+    assert plan_prefill_segments([1900, 1920, 1910], [1900, 1920, 1910], 512, pad=512) == [
+        (0, 1, 2048), (1, 1, 1920), (2, 1, 2048)]
+    # off (pad 0): unaligned prompts stay varlen, as before
+    assert plan_prefill_segments(q, c, 512) == [(0, 2, 2048), (2, 1, 1920), (3, 2, 0), (5, 2, 640), (7, 2, 0)]
+
+
 def test_chunks_prefix_hits_and_short_prompts_stay_varlen_together():
     q = [100, 200, 333, 640, 640, 7]
     c = [100, 1200, 900, 640, 640, 7]
@@ -46,6 +59,12 @@ def test_every_prefill_falls_in_exactly_one_segment():
         q = rng.choice([1, 7, 512, 600, 2048], size=n)
         c = q + rng.choice([0, 0, 0, 64], size=n)
         segments = plan_prefill_segments(q, c, 512, align=1)
+        padded_segments = plan_prefill_segments(q, c, 512, align=128, pad=256)
+        assert [i for first, count, _ in padded_segments for i in range(first, first + count)] == list(range(n))
+        for first, count, length in padded_segments:
+            if length and q[first] != length:  # padded: one whole unaligned prompt, rounded up
+                assert count == 1 and q[first] == c[first] >= 512 and q[first] % 128 and length % 256 == 0
+                assert length - 256 < q[first] < length
         covered = [i for first, count, _ in segments for i in range(first, first + count)]
         assert covered == list(range(n))
         for first, count, length in segments:
@@ -62,13 +81,20 @@ def test_threshold_zero_or_nothing_to_plan():
     assert plan_prefill_segments([], [], 512) == []
 
 
-def test_threshold_from_the_environment(monkeypatch):
-    monkeypatch.delenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", raising=False)
-    assert CudaPagedAttention(32, 8, 128).prefill_cudnn_min_len == backend.PREFILL_CUDNN_MIN_LEN == 512
-    monkeypatch.setenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", "0")
-    assert CudaPagedAttention(32, 8, 128).prefill_cudnn_min_len == 0
-    monkeypatch.setenv("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", "many")
-    with pytest.raises(ValueError, match=r"INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN='many': give the shortest whole prompt"):
+@pytest.mark.parametrize("name, attribute, default, value, bad, refusal", [
+    ("INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN", "prefill_cudnn_min_len", 512, 0, "many",
+     r"INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN='many': give the shortest whole prompt"),
+    ("INFLIGHTLLM_PREFILL_CUDNN_PAD", "prefill_cudnn_pad", 0, 256, "100",
+     r"INFLIGHTLLM_PREFILL_CUDNN_PAD=100: give 0 \(off\) or a multiple of 128"),
+], ids=["threshold", "padding"])
+def test_settings_from_the_environment(monkeypatch, name, attribute, default, value, bad, refusal):
+    assert (backend.PREFILL_CUDNN_MIN_LEN, backend.PREFILL_CUDNN_PAD) == (512, 0)
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(CudaPagedAttention(32, 8, 128), attribute) == default
+    monkeypatch.setenv(name, str(value))
+    assert getattr(CudaPagedAttention(32, 8, 128), attribute) == value
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=refusal):
         CudaPagedAttention(32, 8, 128)
 
 
@@ -81,3 +107,12 @@ def test_build_metadata_carries_the_prefills_host_lengths():
     assert md.num_decodes == 1 and md.num_prefills == 2
     assert md.prefill_query_lens.tolist() == [600, 20]
     assert md.prefill_context_lens.tolist() == [600, 70]
+
+
+def test_padded_plans_are_warmed_only_when_padding_can_run(monkeypatch):
+    monkeypatch.setenv("INFLIGHTLLM_PREFILL_CUDNN_PAD", "256")
+    attention = CudaPagedAttention(32, 8, 128)
+    assert attention.prefill_cudnn_pad == 256
+    # no cache allocated, no cuDNN (CPU): nothing to warm, and padding is left as set
+    assert attention.warm_padded_prefill(16384, torch.bfloat16) == 0
+    assert attention.prefill_cudnn_pad == 256

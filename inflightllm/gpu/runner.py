@@ -145,6 +145,10 @@ class GpuModelRunner:
         self.attention.allocate_kv_cache(
             num_blocks, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, loaded.dtype, self.device
         )
+        # cuDNN's plans for padded prompt lengths (INFLIGHTLLM_PREFILL_CUDNN_PAD), built now, not by steps.
+        warm = getattr(self.attention, "warm_padded_prefill", None)
+        if warm is not None:
+            warm(min(config.max_num_tokens, self.max_model_len), loaded.dtype)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self._bytes_per_block()
         self._kv_bytes_per_token = self._bytes_per_block() // self.block_size  # cascade decode's threshold

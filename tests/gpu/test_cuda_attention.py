@@ -303,6 +303,27 @@ def test_cudnn_dense_prefill_segments(dtype, heads, fused):
     _report(f"{label}: cuDNN vs flash varlen rel diff {diff:.2e}, strided query packed: {case.backend._cudnn_packed_q}")
 
 
+@pytest.mark.parametrize("pad", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cudnn_padded_unaligned_whole_prompts(dtype, pad):
+    # prefill_cudnn_pad: the unaligned whole prompt (600 tokens) goes to cuDNN alone, padded with
+    # zero rows to the next multiple of `pad`; every output row against the float64 reference.
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN dense prefill attention is taken on Hopper or later")
+    case = Case(DENSE, 32, 8, 128, 16, dtype, seed=6, fused=True)
+    case.backend.prefill_cudnn_pad = pad
+    calls = count_dense_calls(case.backend)
+    label = f"cudnn padded {dtype} pad {pad}"
+    case.check(padded := case.run("flash"), label)
+    assert case.backend._cudnn_error is None, case.backend._cudnn_error
+    assert calls == DENSE_CALLS + [(1, -(-600 // pad) * pad)]
+    padded = padded.clone()
+    case.backend.prefill_cudnn_pad = 0
+    case.check(unpadded := case.run("flash"), label + ", pad 0")
+    diff = float((padded.float() - unpadded.float()).norm() / unpadded.float().norm())
+    _report(f"{label}: padded cuDNN vs flash varlen for the unaligned prompt, rel diff {diff:.2e}")
+
+
 def test_padding_and_unaligned_inputs():
     """Slot -1 tokens are not written, a context_len 0 row yields zeros, and misaligned
     (non-16-byte) inputs take the scalar copy / .contiguous() paths."""

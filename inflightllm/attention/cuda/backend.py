@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,11 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # inflightllm.config.KV_CACHE_DTYPES
 # length off its tiles, compiles a kernel too (~500 ms), stalls that arbitrary lengths would bring.
 PREFILL_CUDNN_MIN_LEN = 512
 PREFILL_CUDNN_ALIGN = 128
+# PREFILL_CUDNN_PAD: a whole prompt of an unaligned length (from PREFILL_CUDNN_MIN_LEN tokens) goes
+# to cuDNN alone, copied into zero rows up to the next multiple of this (a multiple of the
+# alignment, so its shapes stay on cuDNN's tiles and few); 0: such prompts stay on flash varlen.
+# Off until measured against flash varlen (INFLIGHTLLM_PREFILL_CUDNN_PAD for the measurements).
+PREFILL_CUDNN_PAD = 0
 # Host KV tier: blocks per gather / scatter through the device staging buffer (bounds its
 # size: 64 blocks of Llama-3.1-8B in bf16 = 128 MiB).
 HOST_TIER_CHUNK = 64
@@ -121,6 +127,17 @@ def default_decode_min_split(default: int = ops.DECODE_MIN_SPLIT_TOKENS) -> int:
     return int(text)
 
 
+def default_prefill_cudnn_pad() -> int:
+    """The padding of unaligned whole prompts for cuDNN (PREFILL_CUDNN_PAD), or
+    INFLIGHTLLM_PREFILL_CUDNN_PAD: 0 (off) or a multiple of PREFILL_CUDNN_ALIGN tokens."""
+    value = int(env_number("INFLIGHTLLM_PREFILL_CUDNN_PAD", PREFILL_CUDNN_PAD, 0, 1 << 16,
+                           f"0 or a multiple of {PREFILL_CUDNN_ALIGN} tokens to pad unaligned prompts to for cuDNN"))
+    if value % PREFILL_CUDNN_ALIGN:
+        raise ValueError(f"INFLIGHTLLM_PREFILL_CUDNN_PAD={value}: give 0 (off) or a multiple of "
+                         f"{PREFILL_CUDNN_ALIGN} tokens (cuDNN's tiles)")
+    return value
+
+
 def default_prefill_cudnn_min_len() -> int:
     """The shortest whole prompt the prefill attention gives cuDNN (PREFILL_CUDNN_MIN_LEN), or
     INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN: a token count, 0 for never."""
@@ -128,13 +145,16 @@ def default_prefill_cudnn_min_len() -> int:
                           "the shortest whole prompt for cuDNN attention in tokens (0: never)"))
 
 
-def plan_prefill_segments(query_lens, context_lens, min_len: int,
-                          align: int = PREFILL_CUDNN_ALIGN) -> list[tuple[int, int, int]]:
+def plan_prefill_segments(query_lens, context_lens, min_len: int, align: int = PREFILL_CUDNN_ALIGN,
+                          pad: int = 0) -> list[tuple[int, int, int]]:
     """A step's prefills (host lengths, in packed order) cut into consecutive segments, each
     one attention call: (first prefill, count, length) where length > 0 marks a run of whole
     prompts (query length == context length: no cached prefix, not a later chunk) all of that
     length, at least `min_len` tokens and a multiple of `align` (a dense batch for cuDNN), and
-    0 a run of anything else (flash varlen). min_len 0: one varlen segment of everything."""
+    0 a run of anything else (flash varlen). With `pad` (a multiple of `align`), a whole prompt
+    of at least `min_len` tokens off the alignment is a segment of its own whose length is its
+    own rounded up to a multiple of `pad` (cuDNN on zero-padded copies: a segment whose length
+    is more than its prompt's is padded). min_len 0: one varlen segment of everything."""
     q = np.asarray(query_lens, dtype=np.int64)
     c = np.asarray(context_lens, dtype=np.int64)
     n = len(q)
@@ -142,12 +162,16 @@ def plan_prefill_segments(query_lens, context_lens, min_len: int,
         return []
     if min_len <= 0:
         return [(0, n, 0)]
-    dense_len = np.where((q == c) & (q >= min_len) & (q % max(1, align) == 0), q, 0)
+    whole = (q == c) & (q >= min_len)
+    aligned = q % max(1, align) == 0
+    dense_len = np.where(whole & aligned, q, 0)
+    padded = whole & ~aligned if pad > 0 else np.zeros(n, dtype=bool)
     segments: list[tuple[int, int, int]] = []
     first = 0
     for i in range(1, n + 1):
-        if i == n or dense_len[i] != dense_len[first]:
-            segments.append((first, i - first, int(dense_len[first])))
+        if i == n or padded[i] or padded[first] or dense_len[i] != dense_len[first]:
+            length = -(-int(q[first]) // pad) * pad if padded[first] else int(dense_len[first])
+            segments.append((first, i - first, length))
             first = i
     return segments
 
@@ -456,6 +480,7 @@ class CudaPagedAttention(AttentionBackend):
         # Whole prompts of one length from this many tokens: cuDNN dense attention (Hopper, set
         # by allocate_kv_cache; 0: never). _cudnn_error: why it was given up (then flash varlen).
         self.prefill_cudnn_min_len = default_prefill_cudnn_min_len()
+        self.prefill_cudnn_pad = default_prefill_cudnn_pad()  # unaligned whole prompts: 0 flash, else padded cuDNN
         self._cudnn_ok = False
         self._cudnn_error: str | None = None
         self._cudnn_packed_q = False  # _dense: cuDNN refused a strided query once, copy it packed
@@ -946,7 +971,7 @@ class CudaPagedAttention(AttentionBackend):
         if (self._cudnn_ok and self._cudnn_error is None and self.prefill_cudnn_min_len > 0 and not self.sliding_window
                 and md.prefill_query_lens is not None and md.prefill_context_lens is not None):
             segments = plan_prefill_segments(md.prefill_query_lens, md.prefill_context_lens, self.prefill_cudnn_min_len,
-                                             PREFILL_CUDNN_ALIGN)
+                                             PREFILL_CUDNN_ALIGN, self.prefill_cudnn_pad)
             if all(length == 0 for _, _, length in segments):
                 segments = None
         if segments is None:  # one varlen call over every prefill
@@ -960,7 +985,10 @@ class CudaPagedAttention(AttentionBackend):
             qa, qb, ka, kb = int(q_off[first]), int(q_off[first + count]), int(k_off[first]), int(k_off[first + count])
             if length and self._cudnn_error is None:
                 try:
-                    self._dense(q[qa:qb], k[ka:kb], v[ka:kb], count, length, out[ndt + qa : ndt + qb])
+                    if qb - qa < length:  # one unaligned whole prompt, padded to `length`
+                        self._dense_padded(q[qa:qb], k[ka:kb], v[ka:kb], length, out[ndt + qa : ndt + qb])
+                    else:
+                        self._dense(q[qa:qb], k[ka:kb], v[ka:kb], count, length, out[ndt + qa : ndt + qb])
                     continue
                 except RuntimeError as error:  # rejected by this cuDNN / shape: flash varlen from now on
                     self._cudnn_error = f"{type(error).__name__}: {error}"
@@ -976,6 +1004,49 @@ class CudaPagedAttention(AttentionBackend):
             kwargs.update(window_size_left=self.sliding_window - 1, window_size_right=0)
         result = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kwargs)
         out.copy_(result[0])
+
+    def warm_padded_prefill(self, max_tokens: int, dtype: torch.dtype) -> int:
+        """With prefill_cudnn_pad on, builds cuDNN's plan for every padded length a prompt of up
+        to `max_tokens` can take (each new shape costs a plan, ~35 ms on an H100: paid here at
+        the engine's start, not by the steps). Returns the lengths warmed (0: off)."""
+        pad, low = self.prefill_cudnn_pad, self.prefill_cudnn_min_len
+        if not (pad and low and self._cudnn_ok and self._cudnn_error is None) or self.kv_cache is None:
+            return 0
+        device = self.kv_cache.device
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        lengths = range(-(-low // pad) * pad, -(-max_tokens // pad) * pad + 1, pad)
+        start = time.monotonic()
+        try:
+            for length in lengths:
+                q = torch.zeros((length, h, d), dtype=dtype, device=device)
+                k = torch.zeros((length, kvh, d), dtype=dtype, device=device)
+                self._dense(q, k, k, 1, length, torch.empty_like(q))
+        except RuntimeError as error:  # this cuDNN refuses: unaligned prompts stay on flash varlen
+            log.warning("cuDNN padded prefill unavailable (%s): unaligned prompts stay on flash varlen",
+                        str(error).splitlines()[0])
+            self.prefill_cudnn_pad = 0
+            return 0
+        torch.cuda.synchronize(device)
+        log.info("cuDNN prefill plans for %d padded lengths (%d-%d) in %.1f s", len(lengths), lengths[0],
+                 lengths[-1], time.monotonic() - start)
+        return len(lengths)
+
+    def _dense_padded(self, q, k, v, length: int, out) -> None:
+        """One whole prompt of fewer than `length` tokens by cuDNN at `length`: its query, keys
+        and values copied into rows zeroed past its end (under the causal mask no row of the
+        prompt reads a padding key; zeros keep masked products finite), its rows of the output
+        copied back."""
+        rows = q.shape[0]
+
+        def padded(x):
+            buffer = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            buffer[:rows].copy_(x)
+            buffer[rows:].zero_()
+            return buffer
+
+        result = torch.empty((length, *out.shape[1:]), dtype=out.dtype, device=out.device)
+        self._dense(padded(q), padded(k), padded(v), 1, length, result)
+        out.copy_(result[:rows])
 
     def _dense(self, q, k, v, prompts: int, length: int, out) -> None:
         """`prompts` whole prompts of `length` tokens each, packed ([prompts * length, heads, d]),
