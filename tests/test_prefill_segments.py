@@ -116,3 +116,46 @@ def test_padded_plans_are_warmed_only_when_padding_can_run(monkeypatch):
     # no cache allocated, no cuDNN (CPU): nothing to warm, and padding is left as set
     assert attention.warm_padded_prefill(16384, torch.bfloat16) == 0
     assert attention.prefill_cudnn_pad == 256
+
+
+def _causal_attention(q, k, v, prompts: int, length: int, out) -> None:
+    """What backend._dense computes, by torch's SDPA on the CPU: `prompts` packed prompts of
+    `length` tokens each, causal, kv heads shared by their query heads."""
+    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
+
+    def heads(x, n):
+        return x.reshape(prompts, length, n, d).transpose(1, 2).repeat_interleave(h // n, dim=1)
+
+    result = torch.nn.functional.scaled_dot_product_attention(heads(q, h), heads(k, kvh), heads(v, kvh),
+                                                              is_causal=True, scale=d ** -0.5)
+    out.view(prompts, length, h, d).copy_(result.transpose(1, 2))
+
+
+@pytest.mark.parametrize("rows, length", [(600, 640), (600, 768), (1900, 2048)])
+def test_a_padded_prompt_attends_as_it_would_unpadded(rows, length):
+    # _dense_padded around the dense call (cuDNN on a GPU; here the same math by SDPA): the rows
+    # past the prompt, whatever the memory held, change none of its outputs.
+    torch.manual_seed(rows)
+    attention = CudaPagedAttention(8, 2, 64)
+    seen = []
+
+    def dense(q, k, v, prompts, length, out):
+        seen.append((prompts, length, q, k, v))
+        _causal_attention(q, k, v, prompts, length, out)
+
+    attention._dense = dense
+    qkv = torch.randn(rows, (8 + 2 * 2) * 64, dtype=torch.float64)  # a fused projection: strided views
+    q = qkv[:, : 8 * 64].view(rows, 8, 64)
+    k = qkv[:, 8 * 64 : 10 * 64].view(rows, 2, 64)
+    v = qkv[:, 10 * 64 :].view(rows, 2, 64)
+    out = torch.full((rows, 8, 64), float("nan"), dtype=torch.float64)
+    attention._dense_padded(q, k, v, length, out)
+    expected = torch.empty(rows, 8, 64, dtype=torch.float64)
+    _causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 1, rows, expected)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    [(prompts, padded_length, pq, pk, pv)] = seen
+    assert (prompts, padded_length) == (1, length)
+    for padded, original in ((pq, q), (pk, k), (pv, v)):  # the prompt's rows, then zeros (finite under the mask)
+        assert padded.shape[0] == length and padded.is_contiguous()
+        assert torch.equal(padded[:rows], original) and not padded[rows:].any()
