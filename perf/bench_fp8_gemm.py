@@ -28,6 +28,7 @@ It prints one JSON line per (layer, M, recipe) and, per M and recipe, the four l
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -46,8 +47,8 @@ def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda", copies: int 
     calls = [_one_gemm(recipe, m, n, k, dev) for _ in range(max(1, copies))]
     if len(calls) == 1:
         return calls[0]
-    turn = iter(range(1 << 62))
-    return lambda: calls[next(turn) % len(calls)]()
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def _one_gemm(recipe: str, m: int, n: int, k: int, dev: str):

@@ -32,18 +32,18 @@ case ",$SKIP," in *,layer,*) ;; *)
   done ;;
 esac
 case ",$SKIP," in *,rows,*) ;; *)
+  # One bench per setting: "label setting" (setting "-": none).
+  runs=()
   for min_len in $MIN_LENS; do
-    if [ "$min_len" = default ]; then settings=""; else settings="INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN=$min_len"; fi
-    # shellcheck disable=SC2086
-    step "rows_min$min_len" 240 env $settings "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml \
-      --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" --out "$OUT/rows_min$min_len.json"
-    grep -E 'output tok/s|profile of|^   ' "$OUT/rows_min$min_len.log" | sed "s/^/  [min len $min_len] /" >> "$SUMMARY"
+    if [ "$min_len" = default ]; then runs+=("min$min_len -"); else runs+=("min$min_len INFLIGHTLLM_PREFILL_CUDNN_MIN_LEN=$min_len"); fi
   done
-  for pad in ${PADS:-}; do
-    step "rows_pad$pad" 240 env "INFLIGHTLLM_PREFILL_CUDNN_PAD=$pad" "$PY" -m perf.bench_rows \
-      --profile profiles/llama3-8b-h200.yaml --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" \
-      --out "$OUT/rows_pad$pad.json"
-    grep -E 'output tok/s|padded lengths|profile of|^   ' "$OUT/rows_pad$pad.log" | sed "s/^/  [pad $pad] /" >> "$SUMMARY"
+  for pad in ${PADS:-}; do runs+=("pad$pad INFLIGHTLLM_PREFILL_CUDNN_PAD=$pad"); done
+  for run in "${runs[@]}"; do
+    label="${run%% *}"; setting="${run#* }"; [ "$setting" = - ] && setting=""
+    # shellcheck disable=SC2086
+    step "rows_$label" 240 env $setting "$PY" -m perf.bench_rows --profile profiles/llama3-8b-h200.yaml \
+      --variants fp8 --rows "$ROWS" --profile-steps "${PROFILE_STEPS:-0}" --out "$OUT/rows_$label.json"
+    grep -E 'output tok/s|padded lengths|profile of|^   ' "$OUT/rows_$label.log" | sed "s/^/  [$label] /" >> "$SUMMARY"
   done ;;
 esac
 case ",$SKIP," in *,tests,*) ;; *)
