@@ -11,6 +11,11 @@ M, the median time of `torch._scaled_mm` on e4m3 operands under each recipe of `
 - `tensor-fast`: the same with `use_fast_accum`;
 - `row-t`: `row` computed transposed, out^T = W x^T (the weights as the first operand, [N, M]
   out): cuBLASLt tiles the weights' N as its M, which changes its tile count at a few hundred rows;
+- `row-k2`, `row-k4`: `row` split over K into 2 or 4 parts, run as one batched
+  `torch._scaled_grouped_mm` (3-D operands: the activations' K slices, copied contiguous each call,
+  against the weights' slices laid out at load) whose bf16 partial products are then summed: more
+  output tiles for cuBLASLt-sized products that leave SMs idle (the o and qkv GEMMs at a few hundred
+  rows); the first call of each shape prints its largest difference from `row` (`"split_k_check"`);
 - `bf16`: `F.linear` on the bf16 weights (the baseline).
 
 `--copies N` rotates N sets of operands from call to call, so that a layer's weights come from
@@ -23,6 +28,7 @@ It prints one JSON line per (layer, M, recipe) and, per M and recipe, the four l
 
     python3 -m perf.bench_fp8_gemm --rows 1024,4096,16384 --recipes row,row-fast,tensor,bf16
     python3 -m perf.bench_fp8_gemm --rows 128,256,512,1024 --recipes row,row-t --copies 8
+    python3 -m perf.bench_fp8_gemm --rows 64,128,256,512 --recipes row,row-k2,row-k4 --copies 8
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from inflightllm.models.llama import LlamaArch
 from inflightllm.models.shapes import shape_config
 from perf.bench_gemm import layer_shapes, time_ms
 
-RECIPES = ("row", "row-fast", "row-t", "tensor", "tensor-fast", "bf16")
+RECIPES = ("row", "row-fast", "row-t", "row-k2", "row-k4", "tensor", "tensor-fast", "bf16")
+SPLIT_K = {"row-k2": 2, "row-k4": 4}
 
 
 def gemm_fn(recipe: str, m: int, n: int, k: int, dev: str = "cuda", copies: int = 1):
@@ -69,8 +76,61 @@ def _one_gemm(recipe: str, m: int, n: int, k: int, dev: str):
     if recipe == "row-t":  # [n, k] x [k, m] (x^T column-major), scales [n, 1] and [1, m]
         sw, sx, xt = sb.t().contiguous(), sa.t().contiguous(), xq.t()
         return lambda: torch._scaled_mm(wq, xt, scale_a=sw, scale_b=sx, out_dtype=torch.bfloat16)
+    if recipe in SPLIT_K:
+        return _split_k(xq, wq, sa, sb, SPLIT_K[recipe])
     wt = wq.t()  # [k, n], column-major: the layout _scaled_mm wants for its second operand
     return lambda: torch._scaled_mm(xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
+def split_k_operands(wq: torch.Tensor, sb: torch.Tensor, parts: int):
+    """The weights [n, k] as `parts` K slices [parts, k/parts, n], each column-major (the layout
+    `torch._scaled_grouped_mm` wants for its second operand), and their scales [parts, n]."""
+    n, k = wq.shape
+    if k % (16 * parts):
+        raise ValueError(f"split-K: K={k} does not split into {parts} parts of a multiple of 16")
+    wg = wq.reshape(n, parts, k // parts).permute(1, 0, 2).contiguous().transpose(1, 2)
+    return wg, sb.reshape(1, n).expand(parts, n).contiguous()
+
+
+def split_k_slices(xq: torch.Tensor, parts: int) -> torch.Tensor:
+    """The activations [m, k] as `parts` contiguous K slices [parts, m, k/parts]."""
+    m, k = xq.shape
+    return xq.reshape(m, parts, k // parts).transpose(0, 1).contiguous()
+
+
+_CHECKED: set[tuple[int, ...]] = set()
+
+
+def _split_k(xq, wq, sa, sb, parts: int):
+    wg, sbg = split_k_operands(wq, sb, parts)
+    m = xq.shape[0]
+    sag = sa.reshape(1, m).expand(parts, m).contiguous()
+    if xq.is_cuda:
+        scales = (sag, sbg)
+        try:  # row-wise scales of 3-D operands: [groups, rows] (older torch: flattened)
+            torch._scaled_grouped_mm(split_k_slices(xq, parts), wg, *scales, out_dtype=torch.bfloat16)
+        except RuntimeError:
+            scales = (sag.reshape(-1), sbg.reshape(-1))
+
+        def run():
+            out = torch._scaled_grouped_mm(split_k_slices(xq, parts), wg, *scales, out_dtype=torch.bfloat16)
+            return out.sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
+    else:  # no grouped kernel on the CPU: the same slices and scales, one product a slice
+        def run():
+            xs = split_k_slices(xq, parts)
+            partial = [torch._scaled_mm(xs[i], wg[i], scale_a=sa, scale_b=sbg[i:i + 1], out_dtype=torch.bfloat16)
+                       for i in range(parts)]
+            return torch.stack(partial).sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
+    key = (parts, m, *wq.shape)
+    if key in _CHECKED:
+        return run
+    _CHECKED.add(key)
+    ref = torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).float()
+    got = run().float()
+    print(json.dumps({"split_k_check": parts, "m": m, "n": wq.shape[0], "k": wq.shape[1],
+                      "max_abs_diff": round(float((got - ref).abs().max()), 5),
+                      "max_abs_ref": round(float(ref.abs().max()), 5)}), flush=True)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             total_ms = total_flop = 0.0
             for name, (n, k) in shapes.items():
-                ms = time_ms(gemm_fn(recipe, m, n, k, copies=args.copies), iters=30)
+                try:
+                    ms = time_ms(gemm_fn(recipe, m, n, k, copies=args.copies), iters=30)
+                except (RuntimeError, ValueError) as error:  # a recipe the GPU's torch lacks
+                    print(json.dumps({"layer": name, "rows": m, "recipe": recipe, "error": str(error)[:300]}),
+                          flush=True)
+                    total_ms = float("nan")
+                    break
                 flop = 2.0 * m * n * k
                 total_ms += ms
                 total_flop += flop
@@ -104,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "weight_gb_s": round(n * k * (2 if recipe == "bf16" else 1) / ms / 1e6, 1)}),
                       flush=True)
                 torch.cuda.empty_cache()
+            if total_ms != total_ms:
+                continue
             totals[recipe] = total_ms
             print(json.dumps({"layer": "all four", "rows": m, "recipe": recipe, "ms": round(total_ms, 4),
                               "tflop_s": round(total_flop / total_ms / 1e9, 1)}), flush=True)

@@ -60,3 +60,31 @@ def test_bench_fp8_gemm_transposed_recipe_computes_the_same_product():
     rotating = gemm_fn("row", 16, 32, 64, "cpu", copies=3)
     outs = [rotating() for _ in range(4)]
     assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
+
+
+def test_bench_fp8_gemm_split_k_recipes_sum_the_slices_to_the_same_product():
+    # row-k2/row-k4 split K into slices whose bf16 partial products are summed: `row` within the
+    # rounding of the partials (on the CPU one _scaled_mm a slice; on the GPU one grouped GEMM).
+    from perf.bench_fp8_gemm import _one_gemm, split_k_operands, split_k_slices
+
+    torch.manual_seed(3)
+    row = _one_gemm("row", 48, 80, 128, "cpu")().float()
+    for recipe in ("row-k2", "row-k4"):
+        torch.manual_seed(3)
+        split = _one_gemm(recipe, 48, 80, 128, "cpu")().float()
+        assert split.shape == (48, 80)
+        assert (split - row).abs().max() <= row.abs().max() / 64, recipe
+    # The layouts: slice i of the weights is their columns i*k/p.., column-major; of x, its columns.
+    w = torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64)
+    wg, scales = split_k_operands(w, torch.ones(1, 6), 4)
+    assert wg.shape == (4, 16, 6) and wg.stride(1) == 1
+    assert torch.equal(wg[2], w[:, 32:48].t())
+    assert scales.shape == (4, 6)
+    x = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)
+    assert torch.equal(split_k_slices(x, 4)[3], x[:, 48:])
+    try:
+        split_k_operands(w, torch.ones(1, 6), 8)
+    except ValueError as error:
+        assert "K=64 does not split into 8 parts" in str(error)
+    else:
+        raise AssertionError("an unsplittable K was accepted")
