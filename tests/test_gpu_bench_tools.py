@@ -65,7 +65,7 @@ def test_bench_fp8_gemm_transposed_recipe_computes_the_same_product():
 def test_bench_fp8_gemm_split_k_recipes_sum_the_slices_to_the_same_product():
     # row-k2/row-k4 split K into slices whose bf16 partial products are summed: `row` within the
     # rounding of the partials (on the CPU one _scaled_mm a slice; on the GPU one grouped GEMM).
-    from perf.bench_fp8_gemm import _one_gemm, split_k_operands, split_k_slices
+    from perf.bench_fp8_gemm import _one_gemm, split_k_operands, split_k_slices, split_k_views
 
     torch.manual_seed(3)
     row = _one_gemm("row", 48, 80, 128, "cpu")().float()
@@ -82,6 +82,9 @@ def test_bench_fp8_gemm_split_k_recipes_sum_the_slices_to_the_same_product():
     assert scales.shape == (4, 6)
     x = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)
     assert torch.equal(split_k_slices(x, 4)[3], x[:, 48:])
+    xv, wv = split_k_views(x, w, 4)  # the same slices as views of the operands
+    assert xv.data_ptr() == x.data_ptr() and wv.data_ptr() == w.data_ptr()
+    assert torch.equal(xv, split_k_slices(x, 4)) and torch.equal(wv, wg)
     try:
         split_k_operands(w, torch.ones(1, 6), 8)
     except ValueError as error:
