@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from inflightllm.gpu import ops
+from inflightllm.gpu import fp8_split_k, ops
 from inflightllm.model_source import ModelSpec, prepare
 from inflightllm.models.llama import LlamaArch, mask_unsampleable, rope_inverse_frequencies
 from inflightllm.models.loader import (
@@ -94,6 +94,7 @@ class GpuLlama:
         self.lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head
         self.fp8_fast_accum = os.environ.get(FP8_FAST_ACCUM_ENV, "0").strip() in ("1", "on", "true", "yes")
         self.fp8_small_m_rows = ops.fp8_small_m_rows()  # FP8 GEMMs up to this many rows: fp8_small_m_gemm
+        self.fp8_split_k = fp8_split_k.setting()  # INFLIGHTLLM_FP8_SPLIT_K (off: None); _prepare_split_k
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -274,6 +275,7 @@ class GpuLlama:
                 layer[name] = weight_q
                 layer[name + "_scale"] = scale.view(1, -1).contiguous()
         self.fp8 = True
+        self._prepare_split_k()
         torch.cuda.empty_cache()
 
     @torch.no_grad()
@@ -324,8 +326,33 @@ class GpuLlama:
         if missing:
             raise KeyError(f"weights missing from {folder}: {sorted(missing)[:5]}")
         self.fp8 = True
+        self._prepare_split_k()
         torch.cuda.empty_cache()
         return kv_scales
+
+    def _prepare_split_k(self) -> None:
+        """INFLIGHTLLM_FP8_SPLIT_K: each chosen linear's weights as K slices (views, no copies:
+        fp8_split_k), once the check on layer 0 shows this GPU's torch computes torch._scaled_mm's
+        product with them; otherwise split-K off, with the reason logged."""
+        split = self.fp8_split_k
+        if split is None:
+            return
+        reason = fp8_split_k.unsupported(self.device)
+        if reason is None:
+            first = self.layers[0]
+            name = split.linears[0]
+            split, reason = fp8_split_k.check(first[name], first[name + "_scale"], split)
+        if split is None:
+            logger.warning("%s: split-K off: %s", fp8_split_k.SPLIT_K_ENV, reason)
+            self.fp8_split_k = None
+            return
+        self.fp8_split_k = split
+        for layer in self.layers:
+            for name in split.linears:
+                if layer[name].shape[1] % (16 * split.parts) == 0:
+                    layer[name + "_split_k"] = fp8_split_k.weight_slices(layer[name], layer[name + "_scale"], split.parts)
+        logger.info("FP8 split-K: %s in %d slices of K from %d to %d rows (%s)", ", ".join(split.linears),
+                    split.parts, self.fp8_small_m_rows + 1, split.max_rows, reason)
 
     def _fp8_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor, layer: dict, name: str,
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -336,15 +363,22 @@ class GpuLlama:
         if x_q.shape[0] <= self.fp8_small_m_rows and ops.fp8_small_m_ok(x_q.shape[0], x_q.shape[1], self.device.index):
             out = torch.empty(x_q.shape[0], weight.shape[0], dtype=self.dtype, device=self.device)
             return ops.fp8_small_m_gemm(out, x_q, x_scale.view(-1), weight, layer[name + "_scale"].view(-1), bias)
-        out = torch._scaled_mm(
-            x_q, weight.t(), scale_a=x_scale, scale_b=layer[name + "_scale"],
-            bias=bias if self.dtype == torch.bfloat16 else None, out_dtype=torch.bfloat16,
-            use_fast_accum=self.fp8_fast_accum,
-        )
+        split = self.fp8_split_k
+        slices = layer.get(name + "_split_k") if split is not None and x_q.shape[0] <= split.max_rows else None
+        if slices is not None:  # INFLIGHTLLM_FP8_SPLIT_K
+            out = fp8_split_k.split_k_mm(x_q, x_scale, *slices, split.flat_scales)
+            bias_added = False
+        else:
+            bias_added = self.dtype == torch.bfloat16
+            out = torch._scaled_mm(
+                x_q, weight.t(), scale_a=x_scale, scale_b=layer[name + "_scale"],
+                bias=bias if bias_added else None, out_dtype=torch.bfloat16,
+                use_fast_accum=self.fp8_fast_accum,
+            )
         if self.dtype != torch.bfloat16:
             out = out.to(self.dtype)
-            if bias is not None:
-                out += bias
+        if bias is not None and not bias_added:
+            out += bias
         return out
 
     def _forward_fp8(self, residual: torch.Tensor, positions: torch.Tensor, attention, metadata) -> torch.Tensor:

@@ -8,6 +8,7 @@
   weights as `Fp8Linear` modules (the emulation): greedy ids equal, or our token within
   the emulation's top-5 where they first differ.
 - A compressed-tensors checkpoint loads on the GPU with the weights the CPU loader reads.
+- Split-K FP8 GEMMs (INFLIGHTLLM_FP8_SPLIT_K) against torch._scaled_mm, alone and in an engine.
 """
 
 from __future__ import annotations
@@ -445,3 +446,64 @@ def test_fp8_small_m_decode_steps_follow_scaled_mm():
     # the prefill's token equal; the first decode step's in (nearly) all: a near tie may round apart
     assert [r.token_ids[0] for r in results] == [r.token_ids[0] for r in reference]
     assert sum(r.token_ids[1] == ref.token_ids[1] for r, ref in zip(results, reference)) >= 4
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_split_k_grouped_gemm_matches_scaled_mm(parts):
+    """INFLIGHTLLM_FP8_SPLIT_K's product (fp8_split_k.split_k_mm: the K slices as one
+    torch._scaled_grouped_mm over views, the bf16 partials summed) equals torch._scaled_mm's
+    within the partials' rounding, at the rows it is for and at the Llama-3-8B o and down shapes."""
+    from inflightllm.gpu import fp8_split_k
+
+    reason = fp8_split_k.unsupported(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    torch.manual_seed(parts)
+    for n, k in ((4096, 4096), (4096, 14336), (960, 576)):
+        weight_q, weight_scale = quantize_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        split, why = fp8_split_k.check(weight_q, weight_scale.view(1, -1), fp8_split_k.SplitK(parts, 512))
+        assert split is not None, why
+        slices, scales = fp8_split_k.weight_slices(weight_q, weight_scale.view(1, -1), parts)
+        for rows in (33, 256, 512):
+            x_q, x_scale = quantize_per_token(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+            got = fp8_split_k.split_k_mm(x_q, x_scale, slices, scales, split.flat_scales).float()
+            whole = torch._scaled_mm(x_q, weight_q.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                     out_dtype=torch.bfloat16).float()
+            error = float((got - whole).norm() / whole.norm())
+            assert error < 4e-3, (n, k, rows, error)
+
+
+def test_split_k_engine_follows_scaled_mm(caplog):
+    """An FP8 engine with INFLIGHTLLM_FP8_SPLIT_K=2:4096 runs its prefill GEMMs and its decode
+    steps of 33-64 rows (CUDA graphs captured with split-K) by split-K; the prefill's and the first
+    decode step's greedy tokens equal those of the engine without it (near ties may round apart),
+    and generation runs to the end."""
+    from inflightllm.gpu import fp8_split_k
+
+    reason = fp8_split_k.unsupported(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    spec = dataclasses.replace(model_spec("bfloat16"), quantization="fp8")
+    config = gpu_config(max_batch_size=64)
+    engine = Engine(spec, config, sampler_seed=0)
+    prompts = make_prompts(40, engine.vocab_size, seed=5)
+    reference = run(engine, prompts, [12] * 40)
+    del engine
+    calls = []
+    original = fp8_split_k.split_k_mm
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fp8_split_k.SPLIT_K_ENV, "2:4096")
+        patch.setattr(fp8_split_k, "split_k_mm", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+        with caplog.at_level("INFO"):
+            split_engine = Engine(spec, config, sampler_seed=0)
+        model = split_engine.loaded.model
+        assert model.fp8_split_k is not None, caplog.text
+        assert {"qkv_split_k", "o_split_k", "down_split_k"} <= set(model.layers[0])
+        assert "gate_up_split_k" not in model.layers[0]
+        results = run(split_engine, prompts, [12] * 40)
+    assert calls and min(calls) > 32  # up to 32 rows: fp8_small_m_gemm
+    assert any(c <= 64 for c in calls)  # the decode graphs of 48 and 64 rows were captured with it
+    assert any(c > 64 for c in calls)  # prefill steps
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert sum(r.token_ids[0] == ref.token_ids[0] for r, ref in zip(results, reference)) >= 38
+    assert sum(r.token_ids[1] == ref.token_ids[1] for r, ref in zip(results, reference)) >= 36
