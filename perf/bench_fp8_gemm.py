@@ -147,8 +147,8 @@ def _split_k(xq, wq, sa, sb, parts: int):
             run = make(layout, flat)
             try:
                 diff = float((run().float() - ref).abs().max())
-            except RuntimeError as error:
-                tried.append(f"{layout}/{'flat' if flat else '2d'}: {str(error).splitlines()[0][:160]}")
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+                tried.append(f"{layout}/{'flat' if flat else '2d'}: {(str(error).splitlines() or [type(error).__name__])[0][:160]}")
                 continue
             ok = diff <= float(ref.abs().max()) / 64
             print(json.dumps({"split_k_check": parts, "m": m, "n": wq.shape[0], "k": wq.shape[1],
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, (n, k) in shapes.items():
                 try:
                     ms = time_ms(gemm_fn(recipe, m, n, k, copies=args.copies), iters=30)
-                except (RuntimeError, ValueError) as error:  # a recipe the GPU's torch lacks
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:  # a recipe the GPU's torch lacks
                     print(json.dumps({"layer": name, "rows": m, "recipe": recipe, "error": str(error)[:300]}),
                           flush=True)
                     total_ms = float("nan")

@@ -69,3 +69,24 @@ def test_the_slices_products_sum_to_the_whole_product(parts):
     # and the emulation (dequantize, then compute) agrees with both
     emulated = linear(x, weight_q, weight_scale)
     assert float((got - emulated).norm() / emulated.norm()) < 1e-2
+
+
+def test_the_load_check_takes_a_product_that_agrees_and_refuses_one_that_does_not(monkeypatch):
+    # fp8_split_k.check (GpuLlama._prepare_split_k runs it on layer 0) against torch._scaled_mm:
+    # here on the CPU's per-slice products, then on a grouped GEMM that fails or computes garbage.
+    torch.manual_seed(0)
+    weight_q, weight_scale = quantize_per_channel(torch.randn(64, 128) * 0.05)
+    split, why = fp8_split_k.check(weight_q, weight_scale.view(1, -1), SplitK(4, 48))
+    assert split == SplitK(4, 48) and "relative error" in why
+
+    def refused(*args):
+        raise ValueError("scale_a must be 2D")
+
+    monkeypatch.setattr(fp8_split_k, "split_k_mm", refused)
+    split, why = fp8_split_k.check(weight_q, weight_scale.view(1, -1), SplitK(2, 40))
+    assert split is None
+    assert why == "[P, M] scales: scale_a must be 2D; flat scales: scale_a must be 2D"
+
+    monkeypatch.setattr(fp8_split_k, "split_k_mm", lambda x_q, *args: torch.zeros(x_q.shape[0], 64))
+    split, why = fp8_split_k.check(weight_q, weight_scale.view(1, -1), SplitK(2, 40))
+    assert split is None and "relative error 1 from torch._scaled_mm" in why
