@@ -13,9 +13,9 @@ M, the median time of `torch._scaled_mm` on e4m3 operands under each recipe of `
   out): cuBLASLt tiles the weights' N as its M, which changes its tile count at a few hundred rows;
 - `row-k2`, `row-k4`: `row` split over K into 2 or 4 parts, run as one batched
   `torch._scaled_grouped_mm` whose bf16 partial products are then summed: more output tiles for
-  products that leave SMs idle (the o and qkv GEMMs at a few hundred rows). The operands are
-  strided views of x and the weights (no copies) where the GPU's torch computes the right product
-  with them, else contiguous slices (the activations' copied each call, the weights' at load); the
+  products that leave SMs idle (the o and qkv GEMMs at a few hundred rows). The engine's
+  `inflightllm.gpu.fp8_split_k` (strided views of x and the weights, no copies) where the GPU's
+  torch computes the right product with it, else the grouped GEMM on contiguous slices (the activations' copied each call, the weights' at load); the
   first call of each shape prints the layout taken and its largest difference from `row`
   (`"split_k_check"`);
 - `bf16`: `F.linear` on the bf16 weights (the baseline).
@@ -42,6 +42,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from inflightllm.gpu import fp8_split_k
 from inflightllm.models.llama import LlamaArch
 from inflightllm.models.shapes import shape_config
 from perf.bench_gemm import layer_shapes, time_ms
@@ -84,28 +85,10 @@ def _one_gemm(recipe: str, m: int, n: int, k: int, dev: str):
     return lambda: torch._scaled_mm(xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
-def split_k_operands(wq: torch.Tensor, sb: torch.Tensor, parts: int):
-    """The weights [n, k] as `parts` K slices [parts, k/parts, n], each column-major (the layout
-    `torch._scaled_grouped_mm` wants for its second operand), and their scales [parts, n]."""
-    n, k = wq.shape
-    if k % (16 * parts):
-        raise ValueError(f"split-K: K={k} does not split into {parts} parts of a multiple of 16")
-    wg = wq.reshape(n, parts, k // parts).permute(1, 0, 2).contiguous().transpose(1, 2)
-    return wg, sb.reshape(1, n).expand(parts, n).contiguous()
-
-
-def split_k_slices(xq: torch.Tensor, parts: int) -> torch.Tensor:
-    """The activations [m, k] as `parts` contiguous K slices [parts, m, k/parts]."""
-    m, k = xq.shape
-    return xq.reshape(m, parts, k // parts).transpose(0, 1).contiguous()
-
-
-def split_k_views(xq: torch.Tensor, wq: torch.Tensor, parts: int):
-    """The same slices without copies: x [m, k] as [parts, m, k/parts] (row stride k) and the
-    weights [n, k] as [parts, k/parts, n] (column stride k)."""
-    (m, k), n = xq.shape, wq.shape[0]
-    return (xq.view(m, parts, k // parts).transpose(0, 1),
-            wq.view(n, parts, k // parts).permute(1, 2, 0))
+def packed_slices(w_slices: torch.Tensor) -> torch.Tensor:
+    """fp8_split_k.weight_slices' views [parts, k/parts, n] copied so that each slice is a
+    contiguous column-major block (the `copies` layout)."""
+    return w_slices.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 # Per (parts, m, n, k): the layout and scale form that computed `row`'s product on this GPU.
@@ -113,28 +96,23 @@ _SPLIT_CHOICE: dict[tuple[int, ...], tuple[str, bool]] = {}
 
 
 def _split_k(xq, wq, sa, sb, parts: int):
-    wg, sbg = split_k_operands(wq, sb, parts)
+    """The engine's split-K (inflightllm.gpu.fp8_split_k: views, no copies) where this GPU's
+    torch computes `row`'s product with it, else the same grouped GEMM on contiguous slices."""
+    w_slices, w_scales = fp8_split_k.weight_slices(wq, sb, parts)
+    if not xq.is_cuda:  # no grouped kernel on the CPU: split_k_mm's one product a slice
+        return lambda: fp8_split_k.split_k_mm(xq, sa, w_slices, w_scales)
     m = xq.shape[0]
-    sag = sa.reshape(1, m).expand(parts, m).contiguous()
-    if not xq.is_cuda:  # no grouped kernel on the CPU: the same slices and scales, one product a slice
-        def run_cpu():
-            xs = split_k_slices(xq, parts)
-            partial = [torch._scaled_mm(xs[i], wg[i], scale_a=sa, scale_b=sbg[i:i + 1], out_dtype=torch.bfloat16)
-                       for i in range(parts)]
-            return torch.stack(partial).sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
-        return run_cpu
-    xv, wv = split_k_views(xq, wq, parts)
 
     def make(layout: str, flat: bool):
-        scales = (sag.reshape(-1), sbg.reshape(-1)) if flat else (sag, sbg)
-        if layout == "views":  # no copies: one grouped GEMM and the sum
-            def run():
-                out = torch._scaled_grouped_mm(xv, wv, *scales, out_dtype=torch.bfloat16)
-                return out.sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
-        else:  # the activations' slices copied contiguous each call, the weights' at load
-            def run():
-                out = torch._scaled_grouped_mm(split_k_slices(xq, parts), wg, *scales, out_dtype=torch.bfloat16)
-                return out.sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
+        if layout == "views":
+            return lambda: fp8_split_k.split_k_mm(xq, sa, w_slices, w_scales, flat)
+        packed = packed_slices(w_slices)
+        x_scales = sa.reshape(1, m).expand(parts, m).contiguous()
+        scales = (x_scales.reshape(-1), w_scales.reshape(-1)) if flat else (x_scales, w_scales)
+
+        def run():  # the activations' slices copied contiguous each call, the weights' once
+            xs = fp8_split_k.x_slices(xq, parts).contiguous()
+            return torch._scaled_grouped_mm(xs, packed, *scales, out_dtype=torch.bfloat16).sum(dim=0)
         return run
 
     key = (parts, m, *wq.shape)

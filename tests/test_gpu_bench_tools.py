@@ -65,7 +65,8 @@ def test_bench_fp8_gemm_transposed_recipe_computes_the_same_product():
 def test_bench_fp8_gemm_split_k_recipes_sum_the_slices_to_the_same_product():
     # row-k2/row-k4 split K into slices whose bf16 partial products are summed: `row` within the
     # rounding of the partials (on the CPU one _scaled_mm a slice; on the GPU one grouped GEMM).
-    from perf.bench_fp8_gemm import _one_gemm, split_k_operands, split_k_slices, split_k_views
+    from inflightllm.gpu.fp8_split_k import weight_slices
+    from perf.bench_fp8_gemm import _one_gemm, packed_slices
 
     torch.manual_seed(3)
     row = _one_gemm("row", 48, 80, 128, "cpu")().float()
@@ -74,20 +75,11 @@ def test_bench_fp8_gemm_split_k_recipes_sum_the_slices_to_the_same_product():
         split = _one_gemm(recipe, 48, 80, 128, "cpu")().float()
         assert split.shape == (48, 80)
         assert (split - row).abs().max() <= row.abs().max() / 64, recipe
-    # The layouts: slice i of the weights is their columns i*k/p.., column-major; of x, its columns.
+    # The `copies` layout: slice i of the weights is their columns i*k/p.., a contiguous
+    # column-major block of its own.
     w = torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64)
-    wg, scales = split_k_operands(w, torch.ones(1, 6), 4)
-    assert wg.shape == (4, 16, 6) and wg.stride(1) == 1
-    assert torch.equal(wg[2], w[:, 32:48].t())
-    assert scales.shape == (4, 6)
-    x = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)
-    assert torch.equal(split_k_slices(x, 4)[3], x[:, 48:])
-    xv, wv = split_k_views(x, w, 4)  # the same slices as views of the operands
-    assert xv.data_ptr() == x.data_ptr() and wv.data_ptr() == w.data_ptr()
-    assert torch.equal(xv, split_k_slices(x, 4)) and torch.equal(wv, wg)
-    try:
-        split_k_operands(w, torch.ones(1, 6), 8)
-    except ValueError as error:
-        assert "K=64 does not split into 8 parts" in str(error)
-    else:
-        raise AssertionError("an unsplittable K was accepted")
+    views, _ = weight_slices(w, torch.ones(1, 6), 4)
+    packed = packed_slices(views)
+    assert packed.shape == (4, 16, 6) and packed.stride() == (96, 1, 16)
+    assert torch.equal(packed[2], w[:, 32:48].t()) and torch.equal(packed, views)
+    assert packed.data_ptr() != w.data_ptr()
