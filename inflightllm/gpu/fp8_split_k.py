@@ -64,11 +64,17 @@ def setting() -> SplitK | None:
     return SplitK(parts, rows, linears)
 
 
+def splits(weight: torch.Tensor, parts: int) -> bool:
+    """Whether the weights' K splits into `parts` slices of a multiple of 16 (the grouped GEMM's
+    alignment)."""
+    return weight.shape[1] % (16 * parts) == 0
+
+
 def weight_slices(weight: torch.Tensor, scale: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The e4m3 weights [N, K] as `parts` K slices [parts, K/parts, N] (a view: slice i is
     weight[:, i*K/parts:(i+1)*K/parts].t()), and their channel scales [1, N] as [parts, N]."""
     n, k = weight.shape
-    if k % (16 * parts):
+    if not splits(weight, parts):
         raise ValueError(f"split-K: K={k} does not split into {parts} slices of a multiple of 16")
     return (weight.view(n, parts, k // parts).permute(1, 2, 0),
             scale.reshape(1, n).expand(parts, n).contiguous())
@@ -101,7 +107,7 @@ def split_k_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_slices: torch.Tensor,
                              scale_b=w_scales[i:i + 1], out_dtype=torch.bfloat16)
             for i in range(parts)
         ])
-    return out.sum(dim=0, dtype=torch.float32).to(torch.bfloat16)
+    return out.sum(dim=0)  # bf16 in and out, accumulated in fp32: one rounding, one kernel
 
 
 def unsupported(device: torch.device) -> str | None:

@@ -337,21 +337,22 @@ class GpuLlama:
         split = self.fp8_split_k
         if split is None:
             return
+        first = self.layers[0]
+        names = [name for name in split.linears if fp8_split_k.splits(first[name], split.parts)]
         reason = fp8_split_k.unsupported(self.device)
+        if reason is None and not names:
+            reason = f"the K of {', '.join(split.linears)} does not split into {split.parts} slices of a multiple of 16"
         if reason is None:
-            first = self.layers[0]
-            name = split.linears[0]
-            split, reason = fp8_split_k.check(first[name], first[name + "_scale"], split)
+            split, reason = fp8_split_k.check(first[names[0]], first[names[0] + "_scale"], split)
         if split is None:
             logger.warning("%s: split-K off: %s", fp8_split_k.SPLIT_K_ENV, reason)
             self.fp8_split_k = None
             return
         self.fp8_split_k = split
         for layer in self.layers:
-            for name in split.linears:
-                if layer[name].shape[1] % (16 * split.parts) == 0:
-                    layer[name + "_split_k"] = fp8_split_k.weight_slices(layer[name], layer[name + "_scale"], split.parts)
-        logger.info("FP8 split-K: %s in %d slices of K from %d to %d rows (%s)", ", ".join(split.linears),
+            for name in names:
+                layer[name + "_split_k"] = fp8_split_k.weight_slices(layer[name], layer[name + "_scale"], split.parts)
+        logger.info("FP8 split-K: %s in %d slices of K from %d to %d rows (%s)", ", ".join(names),
                     split.parts, self.fp8_small_m_rows + 1, split.max_rows, reason)
 
     def _fp8_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor, layer: dict, name: str,
