@@ -145,8 +145,8 @@ def test_a_signal_during_start_up_stops_the_server_and_its_stubs(tmp_path, signu
                 break
         assert _processes_with(str(repository)), "tritonserver never started"
         launcher.send_signal(signum)
-        launcher.stdout.read()  # until the launcher exits and closes its output
-        assert launcher.wait(timeout=120) == 0
+        output = launcher.stdout.read()  # until the launcher exits and closes its output
+        assert launcher.wait(timeout=120) == 0, output.decode(errors="replace")[-3000:]
         assert _processes_with(str(repository)) == []  # neither tritonserver nor a stub is left
     finally:
         for pid in _processes_with(str(repository)):  # clean up after a failure
